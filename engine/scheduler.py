@@ -1,0 +1,158 @@
+"""Iteration-level scheduler: one rule for prefill, chunked prefill and decode."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs: ``num_new_tokens[i]`` tokens of ``seqs[i]`` starting at its
+    num_computed_tokens, plus the block moves to do first (swap out, swap in, copy)."""
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (gpu, cpu)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu, gpu)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    """Each step, every running sequence's num_computed_tokens catches up with its tokens as
+    far as the token budget allows (oldest first), then waiting requests are admitted while
+    max_num_batched_tokens and max_num_seqs allow. When blocks run out the most recently
+    admitted sequence is preempted, by recompute (drop its blocks, re-prefill later) or by
+    swap (move its blocks to the CPU pool)."""
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute"):
+        assert preemption_mode in ("recompute", "swap"), preemption_mode
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # in admission order: the last is preempted first
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = {"recompute": 0, "swap": 0}
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not (self.waiting or self.running or self.swapped)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to compute now: all uncomputed ones, cut to the budget. Without
+        chunked prefill a prompt runs whole or waits (0), unless it could never fit."""
+        remaining = seq.num_tokens - seq.num_computed_tokens
+        if (not self.enable_chunked_prefill and remaining > budget
+                and remaining <= self.max_num_batched_tokens):
+            return 0
+        return min(remaining, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        # 1. running sequences, oldest first; preempt from the back when blocks run out
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._chunk(seq, budget)
+            if n == 0:
+                break
+            while not bm.can_append(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break  # seq preempted itself: everything after it is gone too
+            out.blocks_to_copy += bm.append_slots(seq, n)
+            self._add_to_batch(out, seq, n)
+            budget -= n
+            i += 1
+
+        # 2. swapped sequences first (they arrived earlier), then waiting ones; nothing
+        # new while this step had to preempt
+        while not out.preempted and self.swapped and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = self._chunk(seq, budget)
+            if n == 0 or not bm.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += bm.swap_in(seq)
+            out.blocks_to_copy += bm.append_slots(seq, n)
+            self._admit(out, seq, n)
+            budget -= n
+        while (not out.preempted and not self.swapped and self.waiting
+               and len(self.running) < self.max_num_seqs and budget > 0):
+            seq = self.waiting[0]
+            cached = bm.get_computed_blocks(seq)
+            seq.num_computed_tokens = len(cached) * bm.block_size  # so _chunk counts the rest
+            n = self._chunk(seq, budget)
+            if n == 0 or not bm.can_allocate(seq, cached, n):
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = 0
+            bm.allocate(seq, cached, n)
+            self._admit(out, seq, n)
+            budget -= n
+        return out
+
+    def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+
+    def _admit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._add_to_batch(out, seq, n)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        if self.preemption_mode == "swap" and bm.can_swap_out(seq):
+            out.blocks_to_swap_out += bm.swap_out(seq)
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.appendleft(seq)  # victims go newest first, so the oldest ends up in front
+            self.num_preemptions["swap"] += 1
+        else:
+            bm.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            self.num_preemptions["recompute"] += 1
+        out.preempted.append(seq)
+
+    def postprocess(self, out: SchedulerOutput) -> list[Sequence]:
+        """Advance computed counts after a step; returns the sequences whose next token is due."""
+        to_sample = []
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
+            if seq.num_computed_tokens == seq.num_tokens:
+                to_sample.append(seq)
+        return to_sample
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Add child, a copy of running parent sharing its blocks (parallel sampling)."""
+        self.block_manager.fork(parent, child)
+        self.running.append(child)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finished sequences free their blocks at once."""
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)
