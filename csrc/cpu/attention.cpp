@@ -1,0 +1,74 @@
+// decode_attention and prefill_attention for the cpu backend: both build AttentionParams and
+// run the one core in attention.h (decode is prefill with one query token per sequence).
+#include "attention.h"
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+
+#include "ops.h"
+
+namespace paged::cpu {
+namespace {
+
+template <typename QT>
+void dispatch_cache(const AttentionParams& p, at::ScalarType cache_dtype) {
+  switch (cache_dtype) {
+    case at::kFloat8_e4m3fn: return paged_attention<QT, c10::Float8_e4m3fn>(p);
+    case at::kFloat8_e5m2: return paged_attention<QT, c10::Float8_e5m2>(p);
+    default: return paged_attention<QT, QT>(p);  // validated: cache dtype == query dtype
+  }
+}
+
+void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+         const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale) {
+  AttentionParams p{};
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.q_stride_token = query.stride(0), p.q_stride_head = query.stride(1);
+  p.o_stride_token = out.stride(0), p.o_stride_head = out.stride(1);
+  p.key_cache = key_cache.data_ptr(), p.value_cache = value_cache.data_ptr();
+  p.k_stride_block = key_cache.stride(0), p.k_stride_token = key_cache.stride(1), p.k_stride_head = key_cache.stride(2);
+  p.v_stride_block = value_cache.stride(0), p.v_stride_token = value_cache.stride(1), p.v_stride_head = value_cache.stride(2);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
+  p.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  p.per_head_scale = k_scale && k_scale->numel() > 1;
+  p.num_seqs = int(seq_lens.size(0));
+  p.num_heads = int(query.size(1));
+  p.num_kv_heads = int(key_cache.size(2));
+  p.head_size = int(query.size(2));
+  p.block_size = int(key_cache.size(1));
+  p.scale = float(scale);
+  p.causal = causal;
+  switch (query.scalar_type()) {
+    case at::kFloat: return dispatch_cache<float>(p, key_cache.scalar_type());
+    case at::kHalf: return dispatch_cache<c10::Half>(p, key_cache.scalar_type());
+    case at::kBFloat16: return dispatch_cache<c10::BFloat16>(p, key_cache.scalar_type());
+    default: TORCH_CHECK(false, "paged cpu attention: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+}  // namespace
+
+void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                       const Tensor& value_cache, const Tensor& block_tables,
+                       const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t /*max_seqlen_q*/,
+                       double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale) {
+  run(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, causal,
+      k_scale, v_scale);
+}
+
+void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& block_tables,
+                      const Tensor& seq_lens, double scale, const OptTensor& k_scale,
+                      const OptTensor& v_scale) {
+  const Tensor cu_seqlens_q = at::arange(query.size(0) + 1, seq_lens.options());
+  run(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, true,
+      k_scale, v_scale);
+}
+
+}  // namespace paged::cpu

@@ -1,0 +1,254 @@
+// Paged attention on the CPU: one flash-attention core shared by decode (q_len = 1 per
+// sequence) and varlen prefill. Raw pointers and strides only.
+//
+// Work is cut into tasks (sequence, KV head, tile of query tokens, KV split). A task loads its
+// KV head once for the whole query group and tile (GQA: the group's query heads are rows of the
+// same tile), walks the block table in tiles of kTileTokens tokens with an online softmax, and
+// either writes the normalized output or, when the sequence's KV is split across tasks, a
+// partial output plus its log-sum-exp that a second pass merges.
+#pragma once
+#include <omp.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "convert.h"
+
+namespace paged::cpu {
+
+struct AttentionParams {
+  void* out;          // [total_q, num_heads, head_size]
+  const void* query;  // [total_q, num_heads, head_size]
+  int64_t q_stride_token, q_stride_head, o_stride_token, o_stride_head;
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size] by strides
+  const void* value_cache;
+  int64_t k_stride_block, k_stride_token, k_stride_head;
+  int64_t v_stride_block, v_stride_token, v_stride_head;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
+  int64_t max_blocks_per_seq;
+  const int32_t* cu_seqlens_q;  // [num_seqs + 1]
+  const int32_t* seq_lens;      // [num_seqs]
+  const float* k_scale;         // nullptr, or 1 / num_kv_heads elements
+  const float* v_scale;
+  bool per_head_scale;
+  int num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  float scale;
+  bool causal;
+};
+
+inline constexpr int kTileTokens = 32;
+// Below this many tasks per thread a long sequence is split; splits never get shorter than this.
+inline constexpr int kTasksPerThread = 4;
+inline constexpr int kMinSplitTokens = 256;
+
+struct Task {
+  int seq, kv_head, q_begin, q_end;  // query rows [q_begin, q_end) of the flattened batch
+  int kv_begin, kv_end;              // this task's KV positions
+  int split, num_splits;
+  int64_t partial_offset;  // into the split workspace, in rows
+};
+
+// Per-thread scratch, reused across tasks.
+struct Scratch {
+  std::vector<float> q, acc, s, k, v, m, l;
+  void resize(int rows, int head_size) {
+    q.resize(size_t(rows) * head_size);
+    acc.resize(size_t(rows) * head_size);
+    s.resize(size_t(rows) * kTileTokens);
+    k.resize(size_t(kTileTokens) * head_size);
+    v.resize(size_t(kTileTokens) * head_size);
+    m.resize(rows);
+    l.resize(rows);
+  }
+};
+
+inline float head_scale(const float* scale, bool per_head, int head) {
+  return scale == nullptr ? 1.f : scale[per_head ? head : 0];
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// Runs one task. Rows are (query token, head in group) pairs; row r = token * group + g.
+// Writes out (num_splits == 1) or partial/lse (split tasks).
+template <typename QT, typename CT>
+void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, float* lse) {
+  const int D = p.head_size;
+  const int group = p.num_heads / p.num_kv_heads;
+  const int q_len = p.cu_seqlens_q[t.seq + 1] - p.cu_seqlens_q[t.seq];
+  const int kv_len = p.seq_lens[t.seq];
+  const int first_q = p.cu_seqlens_q[t.seq];
+  const int tokens = t.q_end - t.q_begin;
+  const int rows = tokens * group;
+  w.resize(rows, D);
+
+  // k_scale folds into the query, v_scale into the output: both are per KV head.
+  const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, t.kv_head);
+  const float v_mul = head_scale(p.v_scale, p.per_head_scale, t.kv_head);
+  const QT* query = static_cast<const QT*>(p.query);
+  std::vector<int> last_visible(rows);  // last KV position each row may see
+  int kv_stop = t.kv_begin;
+  for (int i = 0; i < tokens; ++i) {
+    const int token = t.q_begin + i;
+    const int visible = p.causal ? kv_len - q_len + (token - first_q) : kv_len - 1;
+    for (int g = 0; g < group; ++g) {
+      const int r = i * group + g;
+      const QT* src = query + token * p.q_stride_token + (t.kv_head * group + g) * p.q_stride_head;
+      to_float(src, &w.q[size_t(r) * D], D);
+      for (int d = 0; d < D; ++d) w.q[size_t(r) * D + d] *= q_mul;
+      last_visible[r] = visible;
+      w.m[r] = -std::numeric_limits<float>::infinity();
+      w.l[r] = 0.f;
+    }
+    kv_stop = std::max(kv_stop, std::min(t.kv_end, visible + 1));
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * D, 0.f);
+
+  const CT* kc = static_cast<const CT*>(p.key_cache);
+  const CT* vc = static_cast<const CT*>(p.value_cache);
+  const int32_t* table = p.block_tables + int64_t(t.seq) * p.max_blocks_per_seq;
+  for (int j0 = t.kv_begin; j0 < kv_stop; j0 += kTileTokens) {
+    const int n = std::min(kTileTokens, kv_stop - j0);
+    for (int j = 0; j < n; ++j) {
+      const int pos = j0 + j;
+      const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
+      to_float(kc + block * p.k_stride_block + offset * p.k_stride_token + t.kv_head * p.k_stride_head,
+               &w.k[size_t(j) * D], D);
+      to_float(vc + block * p.v_stride_block + offset * p.v_stride_token + t.kv_head * p.v_stride_head,
+               &w.v[size_t(j) * D], D);
+    }
+    for (int r = 0; r < rows; ++r) {
+      const int visible = std::min(n, last_visible[r] - j0 + 1);  // tokens of this tile the row sees
+      if (visible <= 0) continue;
+      float* s = &w.s[size_t(r) * kTileTokens];
+      float tile_max = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < visible; ++j) {
+        s[j] = dot(&w.q[size_t(r) * D], &w.k[size_t(j) * D], D);
+        tile_max = std::max(tile_max, s[j]);
+      }
+      const float m_new = std::max(w.m[r], tile_max);
+      const float correction = std::exp(w.m[r] - m_new);  // exp(-inf) = 0 on the first tile
+      float* acc = &w.acc[size_t(r) * D];
+      float row_sum = 0.f;
+      for (int d = 0; d < D; ++d) acc[d] *= correction;
+      for (int j = 0; j < visible; ++j) {
+        const float pj = std::exp(s[j] - m_new);
+        row_sum += pj;
+        const float* v = &w.v[size_t(j) * D];
+#pragma omp simd
+        for (int d = 0; d < D; ++d) acc[d] += pj * v[d];
+      }
+      w.l[r] = w.l[r] * correction + row_sum;
+      w.m[r] = m_new;
+    }
+  }
+
+  for (int r = 0; r < rows; ++r) {
+    const int token = t.q_begin + r / group, head = t.kv_head * group + r % group;
+    float* acc = &w.acc[size_t(r) * D];
+    const float norm = w.l[r] > 0.f ? v_mul / w.l[r] : 0.f;
+    for (int d = 0; d < D; ++d) acc[d] *= norm;
+    if (t.num_splits == 1) {
+      QT* dst = static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
+      from_float(acc, dst, D);
+    } else {
+      const int64_t row = t.partial_offset + r;
+      std::copy(acc, acc + D, partial + row * D);
+      lse[row] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : -std::numeric_limits<float>::infinity();
+    }
+  }
+}
+
+// Merges the splits of one (seq, kv head, query tile): out = sum_i exp(lse_i - lse) * partial_i.
+template <typename QT>
+void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const float* lse) {
+  const int D = p.head_size, group = p.num_heads / p.num_kv_heads;
+  const Task& t = splits[0];
+  const int rows = (t.q_end - t.q_begin) * group;
+  std::vector<float> acc(D);
+  for (int r = 0; r < rows; ++r) {
+    float max_lse = -std::numeric_limits<float>::infinity();
+    for (int i = 0; i < t.num_splits; ++i) max_lse = std::max(max_lse, lse[splits[i].partial_offset + r]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    float total = 0.f;
+    for (int i = 0; i < t.num_splits; ++i) {
+      const int64_t row = splits[i].partial_offset + r;
+      if (lse[row] == -std::numeric_limits<float>::infinity()) continue;  // split saw no token
+      const float weight = std::exp(lse[row] - max_lse);
+      total += weight;
+      for (int d = 0; d < D; ++d) acc[d] += weight * partial[row * D + d];
+    }
+    for (int d = 0; d < D; ++d) acc[d] /= total;
+    const int token = t.q_begin + r / group, head = t.kv_head * group + r % group;
+    from_float(acc.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
+  }
+}
+
+// Cuts the batch into tasks. Long sequences are split only when there are too few tasks to
+// keep every thread busy, so short-context batches never pay for the merge.
+inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, int64_t& partial_rows) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const int tile_tokens = std::max(1, 64 / group);  // ~64 rows per task
+  int64_t base_tasks = 0;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+    base_tasks += int64_t((q_len + tile_tokens - 1) / tile_tokens) * p.num_kv_heads;
+  }
+  const int64_t wanted = int64_t(num_threads) * kTasksPerThread;
+  const int max_splits = base_tasks >= wanted ? 1 : int((wanted + base_tasks - 1) / std::max<int64_t>(base_tasks, 1));
+
+  std::vector<Task> tasks;
+  partial_rows = 0;
+  for (int s = 0; s < p.num_seqs; ++s) {
+    const int q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1], kv_len = p.seq_lens[s];
+    const int splits = std::max(1, std::min(max_splits, kv_len / kMinSplitTokens));
+    // Split boundaries on tile multiples keep every split's tiles full.
+    const int per_split = ((kv_len + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens;
+    const int num_splits = (kv_len + per_split - 1) / per_split;
+    for (int h = 0; h < p.num_kv_heads; ++h) {
+      for (int qb = q0; qb < q1; qb += tile_tokens) {
+        const int qe = std::min(q1, qb + tile_tokens);
+        for (int i = 0; i < num_splits; ++i) {
+          Task t{s, h, qb, qe, i * per_split, std::min(kv_len, (i + 1) * per_split), i, num_splits, 0};
+          if (num_splits > 1) {
+            t.partial_offset = partial_rows;
+            partial_rows += int64_t(qe - qb) * group;
+          }
+          tasks.push_back(t);
+        }
+      }
+    }
+  }
+  return tasks;
+}
+
+template <typename QT, typename CT>
+void paged_attention(const AttentionParams& p) {
+  const int num_threads = omp_get_max_threads();
+  int64_t partial_rows = 0;
+  const std::vector<Task> tasks = plan_tasks(p, num_threads, partial_rows);
+  std::vector<float> partial(size_t(partial_rows) * p.head_size), lse(partial_rows);
+  const int64_t num_tasks = int64_t(tasks.size());
+
+#pragma omp parallel
+  {
+    Scratch scratch;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < num_tasks; ++i)
+      run_task<QT, CT>(p, tasks[i], scratch, partial.data(), lse.data());
+    if (partial_rows > 0) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t i = 0; i < num_tasks; ++i)
+        if (tasks[i].split == 0 && tasks[i].num_splits > 1)
+          merge_splits<QT>(p, &tasks[i], partial.data(), lse.data());
+    }
+  }
+}
+
+}  // namespace paged::cpu

@@ -1,0 +1,65 @@
+// quantize_fp8 / dequantize_fp8 for the cpu backend (per-tensor scale, contiguous tensors).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+
+#include "convert.h"
+#include "ops.h"
+
+namespace paged::cpu {
+namespace {
+
+template <typename T>
+void dispatch_float(at::ScalarType dtype, T&& fn) {
+  switch (dtype) {
+    case at::kFloat: return fn(float{});
+    case at::kHalf: return fn(c10::Half{});
+    case at::kBFloat16: return fn(c10::BFloat16{});
+    default: TORCH_CHECK(false, "fp8: unsupported floating dtype ", dtype);
+  }
+}
+
+template <typename T>
+void dispatch_fp8(at::ScalarType dtype, T&& fn) {
+  switch (dtype) {
+    case at::kFloat8_e4m3fn: return fn(c10::Float8_e4m3fn{});
+    case at::kFloat8_e5m2: return fn(c10::Float8_e5m2{});
+    default: TORCH_CHECK(false, "fp8: unsupported fp8 dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
+  const float s = scale.data_ptr<float>()[0];
+  const int64_t n = input.numel();
+  dispatch_float(input.scalar_type(), [&](auto in_tag) {
+    using IT = decltype(in_tag);
+    dispatch_fp8(out.scalar_type(), [&](auto out_tag) {
+      using OT = decltype(out_tag);
+      const IT* src = input.data_ptr<IT>();
+      OT* dst = out.data_ptr<OT>();
+      at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) dst[i] = saturating_fp8<OT>(static_cast<float>(src[i]), s);
+      });
+    });
+  });
+}
+
+void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
+  const float s = scale.data_ptr<float>()[0];
+  const int64_t n = input.numel();
+  dispatch_fp8(input.scalar_type(), [&](auto in_tag) {
+    using IT = decltype(in_tag);
+    dispatch_float(out.scalar_type(), [&](auto out_tag) {
+      using OT = decltype(out_tag);
+      const float* table = fp8_table<IT>();
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(input.data_ptr());
+      OT* dst = out.data_ptr<OT>();
+      at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) dst[i] = static_cast<OT>(table[src[i]] * s);
+      });
+    });
+  });
+}
+
+}  // namespace paged::cpu

@@ -1,0 +1,28 @@
+// The cpu backend: C++/OpenMP kernels, fp32 accumulation. Inputs are validated in Python
+// (paged_ops/_validate.py) before they get here.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <optional>
+
+namespace paged::cpu {
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache,
+                       Tensor& value_cache, const Tensor& slot_mapping, const OptTensor& k_scale,
+                       const OptTensor& v_scale);
+void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                      const Tensor& value_cache, const Tensor& block_tables,
+                      const Tensor& seq_lens, double scale, const OptTensor& k_scale,
+                      const OptTensor& v_scale);
+void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
+                       const Tensor& value_cache, const Tensor& block_tables,
+                       const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q,
+                       double scale, bool causal, const OptTensor& k_scale,
+                       const OptTensor& v_scale);
+void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
+void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
+                 const Tensor& block_mapping);
+void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping);
+}  // namespace paged::cpu

@@ -1,0 +1,151 @@
+"""Naive PyTorch versions of every ``paged`` op: the oracle for all tests and the
+readable specification of the op contract.
+
+Every function has the same signature as its op and writes into its output
+argument. Pass float64 tensors (``query.double()``, a float64 ``out``) to get the
+float64 answer the tests compare against; caches may stay in their storage dtype
+(float8 caches are dequantized exactly into float64 here).
+
+Cache layout: ``[num_blocks, block_size, num_kv_heads, head_size]`` (any strides).
+Token ``j`` of a sequence lives at ``cache[block_table[j // block_size], j % block_size]``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(torch.finfo(dtype).max)
+
+
+def saturating_fp8_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in float32, clamped to the fp8 range, cast with round-to-nearest-even.
+
+    torch's own cast turns out-of-range values into NaN (e4m3fn) or inf (e5m2);
+    the contract saturates instead, so quantized outliers stay finite.
+    """
+    m = fp8_max(dtype)
+    return (x.to(torch.float32) / scale.to(torch.float32)).clamp(-m, m).to(dtype)
+
+
+def _per_head_scale(scale: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor | None:
+    # [1] or [num_kv_heads] -> [num_kv_heads, 1], broadcasting over head_size
+    if scale is None:
+        return None
+    return scale.to(torch.float32).reshape(-1).expand(num_kv_heads).reshape(num_kv_heads, 1)
+
+
+def _dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    # x: [..., num_kv_heads, head_size] -> float64
+    x = x.to(torch.float64)
+    if scale is not None:
+        x = x * _per_head_scale(scale, x.shape[-2]).to(torch.float64)
+    return x
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The first ``seq_len`` tokens of one sequence, dequantized: ``[seq_len, num_kv_heads, head_size]`` float64."""
+    block_size = cache.shape[1]
+    positions = torch.arange(seq_len)
+    blocks = block_table.to(torch.int64).cpu()[positions // block_size]
+    tokens = cache[blocks.to(cache.device), (positions % block_size).to(cache.device)]
+    return _dequantize_kv(tokens, scale)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Softmax attention of one sequence in float64.
+
+    q: [q_len, num_heads, head_size]; k, v: [kv_len, num_kv_heads, head_size].
+    Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
+    Causal is bottom-right aligned: query ``i`` sees KV positions ``0 .. kv_len - q_len + i``.
+    """
+    q_len, num_heads, _ = q.shape
+    kv_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    q = q.to(torch.float64)
+    k = k.to(torch.float64).repeat_interleave(group, dim=1)
+    v = v.to(torch.float64).repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal:
+        last_visible = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
+        hidden = torch.arange(kv_len).unsqueeze(0) > last_visible
+        scores = scores.masked_fill(hidden.to(scores.device), -math.inf)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Write token ``t``'s key/value into slot ``slot_mapping[t]`` (skipped when negative).
+
+    key, value: [num_tokens, num_kv_heads, head_size]; slot = block * block_size + offset.
+    fp8 caches store the saturating cast of ``x / scale`` (per tensor or per KV head).
+    """
+    block_size = key_cache.shape[1]
+    for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot < 0:
+                continue
+            block, offset = divmod(slot, block_size)
+            if cache.dtype in FP8_DTYPES:
+                stored = saturating_fp8_cast(x[t], _per_head_scale(scale, x.shape[1]), cache.dtype)
+            else:
+                stored = x[t].to(cache.dtype)
+            cache[block, offset] = stored
+
+
+def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                      max_seqlen_q, scale, causal, k_scale=None, v_scale=None) -> None:
+    """Varlen paged attention over a flattened batch of query tokens.
+
+    query, out: [total_q_tokens, num_heads, head_size]; sequence ``s`` owns query rows
+    ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]`` and attends to its first ``seq_lens[s]`` cached
+    tokens, which include the new tokens themselves (their K/V are already in the cache).
+    """
+    cu = cu_seqlens_q.tolist()
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        if cu[s + 1] == cu[s]:
+            continue
+        k = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
+        v = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
+        rows = slice(cu[s], cu[s + 1])
+        out[rows] = attention(query[rows], k, v, scale, causal).to(out.dtype)
+
+
+def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                     k_scale=None, v_scale=None) -> None:
+    """One query token per sequence attending to all ``seq_lens[s]`` cached tokens.
+
+    query, out: [num_seqs, num_heads, head_size]. Same as prefill with q_len = 1.
+    """
+    num_seqs = query.shape[0]
+    cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32)
+    prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                      1, scale, True, k_scale, v_scale)
+
+
+def quantize_fp8(out, input, scale) -> None:
+    """``out = saturate(input / scale)`` cast to out's fp8 dtype (round-to-nearest-even)."""
+    out.copy_(saturating_fp8_cast(input, scale.reshape(()), out.dtype))
+
+
+def dequantize_fp8(out, input, scale) -> None:
+    """``out = input * scale`` computed in float32, cast to out's dtype."""
+    out.copy_((input.to(torch.float32) * scale.to(torch.float32).reshape(())).to(out.dtype))
+
+
+def copy_blocks(key_caches, value_caches, block_mapping) -> None:
+    """For every (src, dst) row of ``block_mapping`` and every layer: ``cache[dst] = cache[src]``."""
+    for src, dst in block_mapping.tolist():
+        for cache in (*key_caches, *value_caches):
+            cache[dst] = cache[src]
+
+
+def swap_blocks(src, dst, block_mapping) -> None:
+    """``dst[d] = src[s]`` for every (s, d) row; src and dst may be on different devices."""
+    for s, d in block_mapping.tolist():
+        dst[d] = src[s].to(dst.device)
