@@ -1,0 +1,78 @@
+"""Helpers shared by the Triton kernels: interpreter detection, dtype plumbing, device facts."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Read once at import: Triton itself decides interpreter vs. compiler when it is imported,
+# so a later change of the variable would not take effect anyway.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+# Number of SMs assumed under the interpreter: small, so that the occupancy heuristic
+# still chooses a split (flash-decoding) path for tiny test batches.
+_INTERPRETER_SMS = 4
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 dots must be true fp32 (TF32 would miss the 1e-5 tolerance); 16-bit dots ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def compute_dtype(query_dtype: torch.dtype) -> torch.dtype:
+    """Operand dtype for ``tl.dot``.
+
+    Triton 3.8's interpreter returns garbage from bf16 dots, so bf16 is widened to fp32
+    there; compiled kernels keep bf16 tensor-core dots.
+    """
+    if INTERPRET and query_dtype == torch.bfloat16:
+        return torch.float32
+    return query_dtype
+
+
+_TL_DTYPES = {
+    torch.float32: tl.float32,
+    torch.float16: tl.float16,
+    torch.bfloat16: tl.bfloat16,
+}
+
+
+def tl_dtype(dtype: torch.dtype):
+    return _TL_DTYPES[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "interpreter"
+    return torch.cuda.get_device_name(device)
+
+
+def scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(pointer tensor, per_head) for an optional k/v scale; a dummy one-element tensor when absent."""
+    if scale is None:
+        return torch.ones(1, dtype=torch.float32, device=like.device), False
+    return scale, scale.numel() > 1

@@ -1,0 +1,48 @@
+"""Device helpers shared by the decode and prefill kernels."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, table_row_ptr, pos, valid, kv_head, dims, dim_mask, block_size,
+                 stride_b, stride_t, stride_h, COMPUTE_DTYPE: tl.constexpr):
+    """Gather the K or V rows of token positions ``pos`` through the block table.
+
+    pos, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD] -> tile [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
+    Per-token lookup, so any block size works (1, 3, 256...). Invalid rows load 0 and never
+    touch memory: unused slots may hold NaN and table entries past seq_len may be garbage.
+    """
+    block_ids = tl.load(table_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+    rows = block_ids * stride_b + (pos % block_size).to(tl.int64) * stride_t + kv_head * stride_h
+    tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
+                   mask=valid[:, None] & dim_mask[None, :], other=0.0)
+    return tile.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
+                        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One flash-attention step over a KV tile, in base 2.
+
+    q: [BLOCK_M, HEAD_PAD], k/v: [BLOCK_N, HEAD_PAD], s_mask: [BLOCK_M, BLOCK_N] (visible);
+    m_i, l_i: [BLOCK_M] running max / sum; acc: [BLOCK_M, HEAD_PAD] fp32.
+    Every row must see at least one position in its first tile so m_i is finite after it:
+    then hidden positions get p = exp2(-inf) = 0 exactly, and v is 0 (not NaN) there.
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def load_scale(scale_ptr, kv_head, PER_HEAD: tl.constexpr):
+    """Dequantization scale of one KV head (1.0 is passed for non-fp8 caches)."""
+    if PER_HEAD:
+        return tl.load(scale_ptr + kv_head)
+    else:
+        return tl.load(scale_ptr)

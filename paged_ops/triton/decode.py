@@ -1,0 +1,206 @@
+"""Paged decode attention (one query token per sequence), flash-decoding style.
+
+Grid: (seq, kv_head, split). One program handles a KV head's whole query group: the group's
+query heads are packed into the M dimension of ``tl.dot`` (padded to >= 16) so every KV tile
+is loaded once per group instead of once per query head. When seqs x kv_heads cannot fill
+the GPU, each sequence's KV is cut into ``num_splits`` partitions processed by different
+programs; a second kernel merges the partial results by their log-sum-exp.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from . import autotune
+from ._common import (INTERPRET, compute_dtype, device_name, dot_precision, is_fp8,
+                      next_pow2, num_sms, scale_arg, tl_dtype)
+from ._tiles import load_kv_tile, load_scale, online_softmax_step
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+        k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
+        qk_scale_log2, group_size, head_size, block_size, partition_size, num_splits,
+        stride_qs, stride_qh, stride_os, stride_oh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+        K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * group_size
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * partition_size
+    if start >= seq_len:  # partition past this sequence's end: the reducer never reads it
+        return
+    end = tl.minimum(start + partition_size, seq_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < group_size
+    heads = kv_head * group_size + rows  # the query heads sharing this KV head
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < head_size
+
+    # q: [BLOCK_M, HEAD_PAD]; padded rows are 0 and simply never stored.
+    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+    # fp8 caches: k_scale folds into the score scale, v_scale into the final output.
+    qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
+                         stride_kb, stride_kt, stride_kh, COMPUTE_DTYPE)
+        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
+                         stride_vb, stride_vt, stride_vh, COMPUTE_DTYPE)
+        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
+                                            COMPUTE_DTYPE, DOT_PRECISION)
+
+    out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        # part_out: [num_seqs, num_heads, num_splits, head_size] fp32; part_lse: [.., num_splits]
+        part = (seq * num_heads + heads) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * head_size + dims[None, :], out, mask=out_mask)
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
+    else:
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
+                          head_size, partition_size, num_splits, stride_os, stride_oh,
+                          SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+    # Grid: (seq, head). Merge the valid partitions' outputs weighted by exp2(lse - max).
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < tl.cdiv(seq_len, partition_size)  # partitions that hold tokens
+    part = (seq * num_heads + head) * num_splits + splits
+    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < head_size
+    parts = tl.load(part_out_ptr + part[:, None] * head_size + dims[None, :],
+                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(parts * weights[:, None], 0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
+             mask=dim_mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Host side: configs, split heuristic, launch.
+
+DEFAULT_CONFIG = {"BLOCK_N": 32 if INTERPRET else 64, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
+
+
+def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:
+    """Upper bound on every seq_len known without a device sync (keeps decode graph-capturable)."""
+    return max(1, block_tables.shape[1] * block_size)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int,
+                      sms: int, split_scale: float = 1.0) -> int:
+    """Flash-decoding split count: enough programs to cover ~2 waves of SMs, but never a
+    partition shorter than one tile (FlashInfer/FA2 use the same occupancy argument)."""
+    programs = num_seqs * num_kv_heads
+    target = max(1, int(2 * sms * split_scale))
+    if programs >= target:
+        return 1
+    return max(1, min(math.ceil(target / programs), math.ceil(max_len / block_n)))
+
+
+def partition_for(max_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
+    """(partition_size, num_splits): whole tiles per partition, no empty trailing split."""
+    partition = math.ceil(math.ceil(max_len / num_splits) / block_n) * block_n
+    return partition, math.ceil(max_len / partition)
+
+
+def tuning_key(query, key_cache, block_tables) -> tuple:
+    num_seqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = max_len_bound(block_tables, block_size)
+    return (block_size, head_size, num_heads // num_kv_heads, next_pow2(max_len),
+            next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype))
+
+
+def _candidates() -> list[dict]:
+    return [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "split_scale": ss}
+            for bn in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3) for ss in (0.5, 1.0, 2.0)]
+
+
+def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                     k_scale=None, v_scale=None) -> None:
+    """out[s] = softmax(scale * q[s] K_s^T) V_s over the first seq_lens[s] cached tokens.
+
+    out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads,
+    head_size] (any strides); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
+    """
+    key = tuning_key(query, key_cache, block_tables)
+
+    def bench(config):
+        return autotune.benchmark_ms(lambda: run_decode(
+            out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config))
+
+    config = autotune.TUNERS["decode_attention"].choose(
+        device_name(query.device), key, DEFAULT_CONFIG, _candidates(), bench)
+    run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config)
+
+
+def run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+               k_scale, v_scale, config: dict, num_splits: int | None = None) -> int:
+    """Launch with an explicit config; ``num_splits`` forces the split count. Returns the split count used."""
+    num_seqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    block_n = config["BLOCK_N"]
+    max_len = max_len_bound(block_tables, block_size)
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, block_n,
+                                       num_sms(query.device), config.get("split_scale", 1.0))
+    partition, num_splits = partition_for(max_len, num_splits, block_n)
+
+    k_scale_t, k_per_head = scale_arg(k_scale, query)
+    v_scale_t, v_per_head = scale_arg(v_scale, query)
+    cdtype = compute_dtype(query.dtype)
+    head_pad = next_pow2(head_size)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused: SPLIT=False never touches them
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, query, key_cache, value_cache, block_tables, seq_lens,
+        k_scale_t, v_scale_t, part_out, part_lse,
+        scale * _LOG2E, group_size, head_size, block_size, partition, num_splits,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+        COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype), SPLIT=split,
+        BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=block_n, HEAD_PAD=head_pad,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            out, part_out, part_lse, seq_lens, head_size, partition, num_splits,
+            out.stride(0), out.stride(1),
+            SPLITS_PAD=next_pow2(num_splits), HEAD_PAD=head_pad, num_warps=4)
+    return num_splits

@@ -1,0 +1,156 @@
+"""Paged varlen prefill attention (flash-attention tiling over the block table).
+
+Grid: (seq, q_tile, kv_head). Like decode, a program handles one KV head's whole query group:
+its M rows are (query token, head-in-group) pairs, row r = token r // group, head r % group,
+so each K/V tile is gathered once per group, and q_len = 1 rows (decode tokens mixed into a
+prefill batch) still fill the M dimension. The query tile of BLOCK_Q = BLOCK_M // group tokens
+covers query positions [q_tile * BLOCK_Q, ...) of the sequence.
+
+Causal masking is bottom-right aligned (query i sees KV 0 .. ctx + i with ctx = seq_len - q_len,
+i.e. the cached context of chunked prefill); KV tiles past the tile's last visible position
+are never visited.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import autotune
+from ._common import (INTERPRET, compute_dtype, device_name, dot_precision, next_pow2, scale_arg,
+                      tl_dtype)
+from ._tiles import load_kv_tile, load_scale, online_softmax_step
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _prefill_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        k_scale_ptr, v_scale_ptr,
+        qk_scale_log2, group_size, head_size, block_size, block_q,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+        CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+    seq = tl.program_id(0).to(tl.int64)
+    q_tile_start = tl.program_id(1) * block_q
+    kv_head = tl.program_id(2)
+    q_begin = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
+    if q_tile_start >= q_len:  # the grid is sized for the longest query of the batch
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # tokens cached before this chunk
+
+    rows = tl.arange(0, BLOCK_M)
+    q_pos = q_tile_start + rows // group_size  # position within this sequence's queries
+    heads = kv_head * group_size + rows % group_size
+    row_mask = (rows < block_q * group_size) & (q_pos < q_len)
+    dims = tl.arange(0, HEAD_PAD)
+    dim_mask = dims < head_size
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+
+    # q: [BLOCK_M, HEAD_PAD]
+    q_rows = (q_begin + q_pos).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=io_mask, other=0.0).to(COMPUTE_DTYPE)
+    qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
+
+    if CAUSAL:
+        # The tile's last query sees up to context + last_q: later KV tiles are fully masked.
+        kv_end = tl.minimum(seq_len, context + tl.minimum(q_tile_start + block_q, q_len))
+    else:
+        kv_end = seq_len
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    table_row = block_tables_ptr + seq * stride_bt
+    # Position 0 is visible to every row (context + q_pos >= 0), so each row's running max is
+    # finite after the first tile, as online_softmax_step requires.
+    for tile_start in range(0, kv_end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
+                         stride_kb, stride_kt, stride_kh, COMPUTE_DTYPE)
+        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
+                         stride_vb, stride_vt, stride_vh, COMPUTE_DTYPE)
+        visible = valid[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= context + q_pos[:, None])
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
+                                            COMPUTE_DTYPE, DOT_PRECISION)
+
+    out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} if INTERPRET else \
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _candidates(head_size: int) -> list[dict]:
+    # Large tiles with 256-wide heads exceed shared memory on most GPUs; those fail at
+    # compile time and the tuner just skips them.
+    return [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
+            for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)
+            if not (head_size > 128 and bm * bn > 64 * 64)]
+
+
+def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool) -> tuple:
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = block_tables.shape[1] * block_size
+    return (block_size, head_size, num_heads // num_kv_heads, next_pow2(max_seqlen_q),
+            next_pow2(max_len), bool(causal), str(query.dtype), str(key_cache.dtype))
+
+
+def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                      max_seqlen_q, scale, causal, k_scale=None, v_scale=None) -> None:
+    """Varlen attention of each sequence's new query rows over its first seq_lens[s] cached tokens.
+
+    out, query: [total_q, num_heads, head_size]; cu_seqlens_q: [num_seqs + 1] int32;
+    seq_lens: [num_seqs] int32 (including the new tokens); block_tables: [num_seqs, max_blocks] int32.
+    """
+    key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal)
+
+    def bench(config):
+        return autotune.benchmark_ms(lambda: run_prefill(
+            out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+            max_seqlen_q, scale, causal, k_scale, v_scale, config))
+
+    config = autotune.TUNERS["prefill_attention"].choose(
+        device_name(query.device), key, DEFAULT_CONFIG, _candidates(query.shape[2]), bench)
+    run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                max_seqlen_q, scale, causal, k_scale, v_scale, config)
+
+
+def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                max_seqlen_q, scale, causal, k_scale, v_scale, config: dict) -> None:
+    """Launch with an explicit config."""
+    num_seqs = seq_lens.shape[0]
+    num_heads, head_size = query.shape[1], query.shape[2]
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
+    block_m = max(config["BLOCK_M"], next_pow2(group_size))
+    block_q = block_m // group_size
+    if max_seqlen_q <= 0:
+        return
+    k_scale_t, k_per_head = scale_arg(k_scale, query)
+    v_scale_t, v_per_head = scale_arg(v_scale, query)
+    cdtype = compute_dtype(query.dtype)
+    grid = (num_seqs, triton.cdiv(int(max_seqlen_q), block_q), num_kv_heads)
+    _prefill_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+        k_scale_t, v_scale_t,
+        scale * _LOG2E, group_size, head_size, block_size, block_q,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+        COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
+        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEAD_PAD=next_pow2(head_size),
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
