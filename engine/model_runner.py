@@ -57,9 +57,10 @@ _CONTEXT: AttentionMetadata | None = None
 
 
 def _fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # x: [num_tokens, num_kv_heads, head_size] -> float32 [1]; amax maps to the fp8 max
-    amax = x.abs().amax().float().clamp(min=1e-6)
-    return (amax / torch.finfo(dtype).max).reshape(1)
+    # x: [num_tokens, num_kv_heads, head_size] -> float32 [num_kv_heads]: each head's amax maps
+    # to the fp8 max (per head, as heads' ranges differ a lot; later outliers saturate)
+    amax = x.abs().amax(dim=(0, 2)).float().clamp(min=1e-6)
+    return amax / torch.finfo(dtype).max
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):

@@ -1,48 +1,47 @@
-"""Tiny random checkpoints for the engine tests (and ``python -m engine demo``), saved with
-transformers' save_pretrained, and the transformers-generate oracle."""
+"""Checkpoints and the transformers-generate oracle for the engine tests."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
-            # large init: logits far apart, so greedy argmax is robust to float rounding
-            initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None)
-
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**TINY),
-    "qwen2": lambda: Qwen2Config(**TINY, use_sliding_window=False),  # q/k/v bias
-    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
-}
-
-
-def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, with_tokenizer: bool = False) -> str:
-    """A 2-layer, hidden-64, 4/2-head (GQA) random model saved at path; returns path."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32)
-    model.save_pretrained(path)
-    if with_tokenizer:
-        save_char_tokenizer(path)
-    return str(path)
-
-
-def save_char_tokenizer(path) -> None:
-    """A character-level tokenizer over printable ASCII (ids 0..95 of the 128-token vocab)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {chr(c): c - 32 for c in range(32, 127)}
-    vocab["<unk>"] = 95
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    from tokenizers import decoders
-    tok.decoder = decoders.Fuse()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+from engine.demo import save_tiny_checkpoint  # noqa: F401  (re-exported for the tests)
 
 
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """transformers' own greedy generate, one prompt at a time (the oracle)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int, fp8_dtype: torch.dtype,
+                       k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> list[list[int]]:
+    """The oracle for an fp8 KV cache: transformers' eager attention on K/V rounded through fp8
+    with the engine's scales (saturating cast, as the contract specifies)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+    from paged_ops.reference import saturating_fp8_cast
+
+    def fake_quant(x, scale):  # x: [batch, num_kv_heads, seq, head_size]; scale: [1] or [num_kv_heads]
+        s = scale.float().reshape(-1).expand(x.shape[1]).reshape(1, -1, 1, 1)
+        return (saturating_fp8_cast(x, s, fp8_dtype).float() * s).to(x.dtype)
+
+    def attention(module, query, key, value, *args, **kwargs):
+        i = module.layer_idx
+        return eager_attention_forward(module, query, fake_quant(key, k_scales[i]),
+                                       fake_quant(value, v_scales[i]), *args, **kwargs)
+
+    AttentionInterface.register("fake_fp8", attention)
+    AttentionMaskInterface.register("fake_fp8", eager_mask)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="fake_fp8")
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():

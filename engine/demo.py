@@ -1,0 +1,38 @@
+"""Tiny random checkpoints (for ``python -m engine demo`` and the tests), saved with
+transformers' save_pretrained so they load like any local HF checkpoint."""
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
+            # large init: logits far apart, so greedy argmax is robust to float rounding
+            initializer_range=0.3, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**TINY),
+    "qwen2": lambda: Qwen2Config(**TINY, use_sliding_window=False),  # q/k/v bias
+    "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+}
+
+
+def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, with_tokenizer: bool = False) -> str:
+    """A 2-layer, hidden-64, 4/2-head (GQA), vocab-128 random model saved at path; returns path."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32)
+    model.save_pretrained(path)
+    if with_tokenizer:
+        save_char_tokenizer(path)
+    return str(path)
+
+
+def save_char_tokenizer(path) -> None:
+    """A character-level tokenizer: printable ASCII -> ids 0..94, <unk> = 95."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {chr(c): c - 32 for c in range(32, 127)} | {"<unk>": 95}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # every character is a token
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)

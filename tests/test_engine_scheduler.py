@@ -1,0 +1,124 @@
+"""Scheduler unit tests without a model: steps are simulated by appending a fake token."""
+from engine.block_manager import BlockManager
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+def make_scheduler(num_blocks=16, bs=4, cpu_blocks=0, **kw):
+    return Scheduler(BlockManager(num_blocks, bs, cpu_blocks), **kw)
+
+
+def add(sched, n_tokens, first=0):
+    seq = Sequence(list(range(first, first + n_tokens)), block_size=sched.block_manager.block_size)
+    sched.add(seq)
+    return seq
+
+
+def step(sched):
+    """schedule + postprocess, sampling token 1 for every sequence that caught up."""
+    out = sched.schedule()
+    for seq in sched.postprocess(out):
+        seq.append_token(1)
+    return out
+
+
+def batch(out):
+    return [(s.seq_id, n) for s, n in zip(out.seqs, out.num_new_tokens)]
+
+
+def test_prefill_then_decode_in_one_mixed_batch():
+    sched = make_scheduler(max_num_batched_tokens=64)
+    a = add(sched, 5)
+    assert batch(step(sched)) == [(a.seq_id, 5)]
+    b = add(sched, 7, first=20)
+    out = step(sched)
+    assert batch(out) == [(a.seq_id, 1), (b.seq_id, 7)]       # a decodes while b prefills
+    assert a.num_computed_tokens == 6 and a.num_tokens == 7 and b.num_tokens == 8
+
+
+def test_chunked_prefill_respects_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    a = add(sched, 10)
+    b = add(sched, 3, first=20)
+    assert batch(step(sched)) == [(a.seq_id, 4)]
+    assert batch(step(sched)) == [(a.seq_id, 4)]
+    assert batch(step(sched)) == [(a.seq_id, 2), (b.seq_id, 2)]  # a's last chunk, b's first
+    assert a.num_tokens == 11 and b.num_computed_tokens == 2 and b.num_tokens == 3
+    assert batch(step(sched)) == [(a.seq_id, 1), (b.seq_id, 1)]
+
+
+def test_no_chunking_when_disabled():
+    sched = make_scheduler(max_num_batched_tokens=8, enable_chunked_prefill=False)
+    a = add(sched, 6)
+    b = add(sched, 4, first=20)
+    assert batch(step(sched)) == [(a.seq_id, 6)]                # b (4) does not fit in 2 left: waits
+    assert batch(step(sched)) == [(a.seq_id, 1), (b.seq_id, 4)]
+
+
+def test_max_num_seqs():
+    sched = make_scheduler(max_num_seqs=2)
+    seqs = [add(sched, 3, first=10 * i) for i in range(3)]
+    assert [s for s, _ in batch(step(sched))] == [seqs[0].seq_id, seqs[1].seq_id]
+    assert list(sched.waiting) == [seqs[2]]
+
+
+def test_full_prefix_hit_still_computes_last_token():
+    sched = make_scheduler()
+    a = add(sched, 8)
+    step(sched)
+    sched.finish(a, "stop")
+    assert sched.block_manager.num_free_blocks == 16             # finished requests free at once
+    b = add(sched, 8)
+    out = step(sched)
+    assert batch(out) == [(b.seq_id, 4)]                         # block 0 hit, block 1 recomputed
+    assert b.block_table[0] == 0 and sched.block_manager.prefix_hits == 4
+
+
+def test_preempt_most_recent_by_recompute():
+    sched = make_scheduler(num_blocks=4, bs=2)
+    a, b = add(sched, 3), add(sched, 3, first=10)
+    step(sched)                                  # a: blocks [0, 1], b: [2, 3]; both sampled 1 token
+    assert a.block_table == [0, 1] and b.block_table == [2, 3]
+    step(sched)                                  # 4th token fits in each second block
+    out = sched.schedule()                       # 5th token needs a new block: none left
+    assert out.preempted == [b] and batch(out) == [(a.seq_id, 1)]
+    assert b.status == SequenceStatus.WAITING and b.num_computed_tokens == 0 and b.block_table == []
+    assert list(sched.waiting) == [b] and sched.num_preemptions == {"recompute": 1, "swap": 0}
+    assert a.block_table == [0, 1, 3]            # b's tail block (freed first) reused
+    sched.postprocess(out)
+    sched.finish(a, "length")
+    out = step(sched)                            # b recomputes, its first block from the cache
+    assert batch(out) == [(b.seq_id, 3)] and b.num_computed_tokens == 5
+
+
+def test_preempt_by_swap_and_swap_back_in():
+    sched = make_scheduler(num_blocks=4, bs=2, cpu_blocks=4, preemption_mode="swap")
+    a, b = add(sched, 3), add(sched, 3, first=10)
+    step(sched), step(sched)
+    out = sched.schedule()
+    assert out.preempted == [b] and out.blocks_to_swap_out == [(2, 0), (3, 1)]
+    assert b.status == SequenceStatus.SWAPPED and b.num_computed_tokens == 4 and b.cpu_block_table == [0, 1]
+    assert sched.num_preemptions == {"recompute": 0, "swap": 1}
+    sched.postprocess(out)
+    c = add(sched, 1, first=50)
+    sched.finish(a, "length")
+    out = sched.schedule()                       # swapped b goes before waiting c; queue 2, 3, 1, 0
+    assert out.blocks_to_swap_in == [(0, 2), (1, 3)] and batch(out)[0] == (b.seq_id, 1)
+    assert b.block_table == [2, 3, 1] and b.status == SequenceStatus.RUNNING
+    assert batch(out)[1] == (c.seq_id, 1)
+
+
+def test_swap_falls_back_to_recompute_when_cpu_pool_full():
+    sched = make_scheduler(num_blocks=4, bs=2, cpu_blocks=1, preemption_mode="swap")
+    a, b = add(sched, 3), add(sched, 3, first=10)
+    step(sched), step(sched)
+    out = sched.schedule()
+    assert out.preempted == [b] and b.status == SequenceStatus.WAITING and out.blocks_to_swap_out == []
+
+
+def test_sole_sequence_preempts_itself_then_resumes():
+    sched = make_scheduler(num_blocks=3, bs=2)
+    a, b = add(sched, 4), add(sched, 1, first=10)
+    step(sched)                                  # a: [0, 1], b: [2]; both sampled
+    out = sched.schedule()                       # a needs a 3rd block: b (newest) goes
+    assert out.preempted == [b] and batch(out) == [(a.seq_id, 1)]
