@@ -109,11 +109,15 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register seq's newly computed full blocks so later requests can reuse them."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Register seq's full blocks among its first num_tokens (default: the computed ones) so
+        other requests can reuse them. The scheduler registers a step's blocks when it schedules
+        them: a request admitted in the same step may hit them, since every layer writes the whole
+        batch's K/V before any attention reads it."""
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_cached_blocks, seq.num_computed_tokens // self.block_size):
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        for i in range(seq.num_cached_blocks, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             h = self.block_hash(seq, i)
             if block.hash is None and h not in self.hash_to_block_id:

@@ -1,6 +1,7 @@
 """Offline API mirroring vLLM's: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -246,6 +248,7 @@ class LLM:
         bar.set_postfix_str(f"{stats.output_tokens_per_s:.1f} tok/s")
         bar.close()
         self.last_stats = stats
+        logger.info("%s", stats)
         return [self._output(requests[i]) for i in range(len(prompts))]
 
     def _output(self, req: _Request) -> RequestOutput:

@@ -115,6 +115,7 @@ class Scheduler:
     def _add_to_batch(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.seqs.append(seq)
         out.num_new_tokens.append(n)
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _admit(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         seq.status = SequenceStatus.RUNNING
@@ -141,7 +142,6 @@ class Scheduler:
         to_sample = []
         for seq, n in zip(out.seqs, out.num_new_tokens):
             seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:
                 to_sample.append(seq)
         return to_sample

@@ -22,7 +22,8 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list
 
 
 def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int, fp8_dtype: torch.dtype,
-                       k_scales: list[torch.Tensor], v_scales: list[torch.Tensor]) -> list[list[int]]:
+                       k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
+                       dtype: torch.dtype = torch.float32) -> list[list[int]]:
     """The oracle for an fp8 KV cache: transformers' eager attention on K/V rounded through fp8
     with the engine's scales (saturating cast, as the contract specifies)."""
     from transformers import AttentionInterface
@@ -41,7 +42,7 @@ def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int
 
     AttentionInterface.register("fake_fp8", attention)
     AttentionMaskInterface.register("fake_fp8", eager_mask)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="fake_fp8")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="fake_fp8")
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():

@@ -64,6 +64,8 @@ def test_prefix_caching_shared_prefixes(ckpt, ref):
     again = llm.generate(PROMPTS, GREEDY)                    # everything cached but the last token
     assert tokens(again) == ref("llama") and llm.last_stats.prefix_cache_hit_rate > 0.7
     assert_all_free(llm)
+    llm, outs = run(ckpt("llama"), block_size=4)            # all admitted in one step: hits still
+    assert tokens(outs) == ref("llama") and llm.last_stats.prefix_cache_hits == 32
 
 
 def test_chunked_prefill(ckpt, ref):
@@ -156,3 +158,17 @@ def test_cli_demo(capsys):
     from engine.__main__ import main
     main(["demo", "--num-prompts", "3", "--max-tokens", "4"])
     assert "tok/s" in capsys.readouterr().out
+
+
+def test_bfloat16_runs_close_to_float32(ckpt, ref):
+    llm, outs = run(ckpt("llama"), dtype="bfloat16", block_size=16)
+    assert llm.runner.kv.key_caches[0].dtype == torch.bfloat16
+    assert sum(t[0] == r[0] for t, r in zip(tokens(outs), ref("llama"))) >= len(PROMPTS) - 1
+
+
+def test_cli_generate(ckpt, capsys):
+    from engine.__main__ import main
+    main(["generate", "--model", ckpt("llama"), "--prompt", "3,1,4,1,5", "--prompt", "hi", "--max-tokens", "3",
+          "--num-kv-blocks", "32"])
+    out = capsys.readouterr().out
+    assert "[0.0] length" in out and "[1.0] length" in out and "tok/s" in out

@@ -122,3 +122,11 @@ def test_sole_sequence_preempts_itself_then_resumes():
     step(sched)                                  # a: [0, 1], b: [2]; both sampled
     out = sched.schedule()                       # a needs a 3rd block: b (newest) goes
     assert out.preempted == [b] and batch(out) == [(a.seq_id, 1)]
+
+
+def test_prefix_hit_within_the_same_step():
+    sched = make_scheduler()
+    a, b = add(sched, 9), add(sched, 10)        # b shares a's first two blocks
+    out = sched.schedule()
+    assert batch(out) == [(a.seq_id, 9), (b.seq_id, 2)]
+    assert b.block_table[:2] == a.block_table[:2]
