@@ -1,6 +1,7 @@
 """Helpers shared by the Triton kernels: interpreter detection, dtype plumbing, device facts."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -76,3 +77,23 @@ def scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Ten
     if scale is None:
         return torch.ones(1, dtype=torch.float32, device=like.device), False
     return scale, scale.numel() > 1
+
+
+def fp8_format(dtype: torch.dtype) -> int:
+    """Constexpr FP8_FORMAT of a cache dtype (see _tiles.py): 0 none, 1 e4m3fn, 2 e5m2."""
+    return {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}.get(dtype, 0)
+
+
+def kv_view(cache: torch.Tensor) -> torch.Tensor:
+    """fp8 caches reach the attention kernels as bytes (decoded in-kernel, see _tiles.py)."""
+    return cache.view(torch.uint8) if is_fp8(cache.dtype) else cache
+
+
+def head_pad(head_size: int) -> int:
+    """Power-of-two head tile; >= 16 because tl.dot needs K >= 16 (head sizes 8 and 16 pad up)."""
+    return max(16, next_pow2(head_size))
+
+
+def device_guard(t: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensors' device."""
+    return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

@@ -3,9 +3,32 @@ import triton
 import triton.language as tl
 
 
+# fp8 cache formats (constexpr FP8_FORMAT); caches in these formats are passed as uint8 views.
+FP8_NONE = tl.constexpr(0)
+FP8_E4M3 = tl.constexpr(1)
+FP8_E5M2 = tl.constexpr(2)
+
+
+@triton.jit
+def fp8_bits_to_float(x, FP8_FORMAT: tl.constexpr):
+    """Exact fp32 value of fp8 bits (uint8), without Triton's fp8 types.
+
+    Triton lacks e4m3fn on pre-Hopper GPUs, so the cache bytes are decoded by hand: e5m2 is
+    the top byte of an fp16; e4m3fn's bits shifted into fp16 position are the value / 2^8
+    (fp16's exponent bias is 8 larger), subnormals included. Both are exact. fp8 NaN/inf are
+    not special-cased: stored values come from a saturating cast, and unused slots are masked.
+    """
+    x = x.to(tl.uint16)
+    if FP8_FORMAT == FP8_E5M2:
+        return (x << 8).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        half = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
+        return half.to(tl.float32) * 256.0
+
+
 @triton.jit
 def load_kv_tile(cache_ptr, table_row_ptr, pos, valid, kv_head, dims, dim_mask, block_size,
-                 stride_b, stride_t, stride_h, COMPUTE_DTYPE: tl.constexpr):
+                 stride_b, stride_t, stride_h, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
     """Gather the K or V rows of token positions ``pos`` through the block table.
 
     pos, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD] -> tile [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
@@ -15,7 +38,9 @@ def load_kv_tile(cache_ptr, table_row_ptr, pos, valid, kv_head, dims, dim_mask, 
     block_ids = tl.load(table_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
     rows = block_ids * stride_b + (pos % block_size).to(tl.int64) * stride_t + kv_head * stride_h
     tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
-                   mask=valid[:, None] & dim_mask[None, :], other=0.0)
+                   mask=valid[:, None] & dim_mask[None, :], other=0)
+    if FP8_FORMAT != FP8_NONE:
+        tile = fp8_bits_to_float(tile, FP8_FORMAT)
     return tile.to(COMPUTE_DTYPE)
 
 

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import is_fp8, next_pow2, scale_arg
+from ._common import device_guard, is_fp8, next_pow2, scale_arg
 from .fp8 import FP8_FORMATS, saturating_fp8_bits
 
 
@@ -81,15 +81,16 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
     # A few thousand elements per program: enough work per program, bounded registers.
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
-    _reshape_and_cache_kernel[grid](
-        key, value, kc, vc, slot_mapping, k_scale_t, v_scale_t,
-        num_kv_heads, head_size, block_size,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        QUANTIZE=quantize, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
-        FP8_MAX=fp8_max, MANT=mant, BIAS=bias,
-        BLOCK_H=block_h, HEAD_PAD=head_pad)
+    with device_guard(key):
+        _reshape_and_cache_kernel[grid](
+            key, value, kc, vc, slot_mapping, k_scale_t, v_scale_t,
+            num_kv_heads, head_size, block_size,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+            QUANTIZE=quantize, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+            FP8_MAX=fp8_max, MANT=mant, BIAS=bias,
+            BLOCK_H=block_h, HEAD_PAD=head_pad)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,8 +161,9 @@ def copy_blocks(key_caches: list, value_caches: list, block_mapping: torch.Tenso
     max_words = max(math.prod(c.shape[1:]) * c.element_size() // word for c in dense)
     block = min(4096, next_pow2(max_words))
     grid = (block_mapping.shape[0], len(dense), triton.cdiv(max_words, block))
-    _copy_blocks_kernel[grid](table[0], table[1], table[2], block_mapping.contiguous(),
-                              WORD_BYTES=word, BLOCK=block)
+    with device_guard(dense[0]):
+        _copy_blocks_kernel[grid](table[0], table[1], table[2], block_mapping.contiguous(),
+                                  WORD_BYTES=word, BLOCK=block)
 
 
 def swap_blocks(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:

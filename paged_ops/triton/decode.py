@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, compute_dtype, device_name, dot_precision, is_fp8,
-                      next_pow2, num_sms, scale_arg, tl_dtype)
+from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
+                      fp8_format, head_pad, kv_view, next_pow2, num_sms, scale_arg, tl_dtype)
 from ._tiles import load_kv_tile, load_scale, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -29,7 +29,7 @@ def _decode_kernel(
         qk_scale_log2, group_size, head_size, block_size, partition_size, num_splits,
         stride_qs, stride_qh, stride_os, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
-        K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+        K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
@@ -62,9 +62,9 @@ def _decode_kernel(
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
         k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_kb, stride_kt, stride_kh, COMPUTE_DTYPE)
+                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
         v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_vb, stride_vt, stride_vh, COMPUTE_DTYPE)
+                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                             COMPUTE_DTYPE, DOT_PRECISION)
 
@@ -107,7 +107,17 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
 # ---------------------------------------------------------------------------------------------
 # Host side: configs, split heuristic, launch.
 
-DEFAULT_CONFIG = {"BLOCK_N": 32 if INTERPRET else 64, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
+# Under the interpreter: one fixed config (no tuning), 32-token tiles keep it quick.
+DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
+
+
+def default_config(head_size: int) -> dict:
+    """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing."""
+    if INTERPRET:
+        return dict(DEFAULT_CONFIG)
+    # K and V tiles of BLOCK_N x HEAD_PAD, double-buffered, must fit shared memory.
+    return {"BLOCK_N": 64 if head_pad(head_size) <= 128 else 32, "num_warps": 4, "num_stages": 2,
+            "split_scale": 1.0}
 
 
 def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:
@@ -140,9 +150,12 @@ def tuning_key(query, key_cache, block_tables) -> tuple:
             next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype))
 
 
-def _candidates() -> list[dict]:
+def _candidates(head_size: int) -> list[dict]:
+    # split_scale changes only the grid (no recompilation), so it is cheap to sweep; tile
+    # configs that exceed shared memory fail to compile and are skipped by the tuner.
+    block_ns = (16, 32, 64) if head_pad(head_size) > 128 else (32, 64, 128)
     return [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "split_scale": ss}
-            for bn in (16, 32, 64, 128) for w in (4, 8) for st in (2, 3) for ss in (0.5, 1.0, 2.0)]
+            for bn in block_ns for w in (4, 8) for st in (2, 3) for ss in (0.5, 1.0, 2.0)]
 
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
@@ -158,49 +171,59 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
         return autotune.benchmark_ms(lambda: run_decode(
             out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config))
 
+    head_size = query.shape[2]
     config = autotune.TUNERS["decode_attention"].choose(
-        device_name(query.device), key, DEFAULT_CONFIG, _candidates(), bench)
+        device_name(query.device), key, default_config(head_size), _candidates(head_size), bench)
     run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config)
 
 
 def run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                k_scale, v_scale, config: dict, num_splits: int | None = None) -> int:
     """Launch with an explicit config; ``num_splits`` forces the split count. Returns the split count used."""
-    num_seqs, num_heads, head_size = query.shape
+    num_seqs = query.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    group_size = num_heads // num_kv_heads
     block_n = config["BLOCK_N"]
     max_len = max_len_bound(block_tables, block_size)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, block_n,
                                        num_sms(query.device), config.get("split_scale", 1.0))
     partition, num_splits = partition_for(max_len, num_splits, block_n)
+    with device_guard(query):
+        _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                       config, num_splits, partition)
+    return num_splits
 
+
+def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                   config, num_splits, partition) -> None:
+    num_seqs, num_heads, head_size = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group_size = num_heads // num_kv_heads
     k_scale_t, k_per_head = scale_arg(k_scale, query)
     v_scale_t, v_per_head = scale_arg(v_scale, query)
     cdtype = compute_dtype(query.dtype)
-    head_pad = next_pow2(head_size)
+    head_dim_pad = head_pad(head_size)
     split = num_splits > 1
     if split:
+        # partials: [num_seqs, num_heads, num_splits, head_size] and their base-2 LSEs
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused: SPLIT=False never touches them
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, query, key_cache, value_cache, block_tables, seq_lens,
+        out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens,
         k_scale_t, v_scale_t, part_out, part_lse,
         scale * _LOG2E, group_size, head_size, block_size, partition, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+        K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head, FP8_FORMAT=fp8_format(key_cache.dtype),
         COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype), SPLIT=split,
-        BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=block_n, HEAD_PAD=head_pad,
+        BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_dim_pad,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, head_size, partition, num_splits,
             out.stride(0), out.stride(1),
-            SPLITS_PAD=next_pow2(num_splits), HEAD_PAD=head_pad, num_warps=4)
-    return num_splits
+            SPLITS_PAD=next_pow2(num_splits), HEAD_PAD=head_dim_pad, num_warps=4)

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET  # noqa: F401  (kept for symmetry with the other modules)
+from ._common import device_guard
 
 # Per fp8 format: (largest finite value, mantissa bits, exponent bias).
 FP8_FORMATS = {
@@ -103,9 +103,10 @@ def quantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) ->
     target = _contiguous_target(out)
     src = input.contiguous()
     n = src.numel()
-    _quantize_kernel[(triton.cdiv(n, _BLOCK),)](
-        target.view(torch.uint8), src, scale, n,
-        FP8_MAX=fp8_max, MANT=mant, BIAS=bias, BLOCK=_BLOCK)
+    with device_guard(src):
+        _quantize_kernel[(triton.cdiv(n, _BLOCK),)](
+            target.view(torch.uint8), src, scale, n,
+            FP8_MAX=fp8_max, MANT=mant, BIAS=bias, BLOCK=_BLOCK)
     if target is not out:
         out.copy_(target)
 
@@ -116,8 +117,9 @@ def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) 
     src = input.contiguous()
     n = src.numel()
     is_bf16 = out.dtype == torch.bfloat16
-    _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](
-        target.view(torch.int16) if is_bf16 else target, src, scale, n,
-        OUT_BF16=is_bf16, BLOCK=_BLOCK)
+    with device_guard(src):
+        _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](
+            target.view(torch.int16) if is_bf16 else target, src, scale, n,
+            OUT_BF16=is_bf16, BLOCK=_BLOCK)
     if target is not out:
         out.copy_(target)

@@ -17,8 +17,8 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, compute_dtype, device_name, dot_precision, next_pow2, scale_arg,
-                      tl_dtype)
+from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
+                      fp8_format, head_pad, kv_view, next_pow2, scale_arg, tl_dtype)
 from ._tiles import load_kv_tile, load_scale, online_softmax_step
 
 _LOG2E = 1.4426950408889634
@@ -32,6 +32,7 @@ def _prefill_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
+        FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     seq = tl.program_id(0).to(tl.int64)
@@ -74,9 +75,9 @@ def _prefill_kernel(
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_kb, stride_kt, stride_kh, COMPUTE_DTYPE)
+                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
         v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_vb, stride_vt, stride_vh, COMPUTE_DTYPE)
+                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= context + q_pos[:, None])
@@ -88,16 +89,25 @@ def _prefill_kernel(
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2} if INTERPRET else \
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+# Under the interpreter: one fixed config (no tuning).
+DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+
+
+def default_config(head_size: int) -> dict:
+    """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing."""
+    if INTERPRET:
+        return dict(DEFAULT_CONFIG)
+    if head_pad(head_size) > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def _candidates(head_size: int) -> list[dict]:
-    # Large tiles with 256-wide heads exceed shared memory on most GPUs; those fail at
-    # compile time and the tuner just skips them.
+    # Tiles that exceed shared memory or registers fail to compile; the tuner skips them.
+    wide = head_pad(head_size) > 128
     return [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-            for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)
-            if not (head_size > 128 and bm * bn > 64 * 64)]
+            for bm in (32, 64, 128) for bn in ((16, 32) if wide else (32, 64)) for w in (4, 8)
+            for st in (2, 3)]
 
 
 def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool) -> tuple:
@@ -123,7 +133,7 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
             max_seqlen_q, scale, causal, k_scale, v_scale, config))
 
     config = autotune.TUNERS["prefill_attention"].choose(
-        device_name(query.device), key, DEFAULT_CONFIG, _candidates(query.shape[2]), bench)
+        device_name(query.device), key, default_config(query.shape[2]), _candidates(query.shape[2]), bench)
     run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_seqlen_q, scale, causal, k_scale, v_scale, config)
 
@@ -143,14 +153,16 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
     v_scale_t, v_per_head = scale_arg(v_scale, query)
     cdtype = compute_dtype(query.dtype)
     grid = (num_seqs, triton.cdiv(int(max_seqlen_q), block_q), num_kv_heads)
-    _prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-        k_scale_t, v_scale_t,
-        scale * _LOG2E, group_size, head_size, block_size, block_q,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
-        COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
-        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEAD_PAD=next_pow2(head_size),
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    with device_guard(query):
+        _prefill_kernel[grid](
+            out, query, kv_view(key_cache), kv_view(value_cache), block_tables, cu_seqlens_q, seq_lens,
+            k_scale_t, v_scale_t,
+            scale * _LOG2E, group_size, head_size, block_size, block_q,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+            value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+            CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+            FP8_FORMAT=fp8_format(key_cache.dtype),
+            COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
+            BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_pad(head_size),
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
