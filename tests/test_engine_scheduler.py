@@ -1,4 +1,8 @@
 """Scheduler unit tests without a model: steps are simulated by appending a fake token."""
+import random
+
+import pytest
+
 from engine.block_manager import BlockManager
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
@@ -130,3 +134,74 @@ def test_prefix_hit_within_the_same_step():
     out = sched.schedule()
     assert batch(out) == [(a.seq_id, 9), (b.seq_id, 2)]
     assert b.block_table[:2] == a.block_table[:2]
+
+
+def _check_invariants(sched):
+    bm = sched.block_manager
+    holders = {}
+    for seq in sched.running:
+        assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens
+        for b in seq.block_table:
+            holders[b] = holders.get(b, 0) + 1
+    for seq in [*sched.waiting, *sched.swapped]:
+        assert seq.block_table == []
+    assert [b.ref_count for b in bm.blocks] == [holders.get(i, 0) for i in range(bm.num_blocks)]
+    assert set(bm.free_block_ids) == {i for i in range(bm.num_blocks) if i not in holders}
+    assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
+    cpu_held = [c for s in sched.swapped for c in s.cpu_block_table]
+    assert sorted(cpu_held + bm.free_cpu_block_ids) == list(range(bm.num_cpu_blocks))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_keep_kv_consistent(seed):
+    """A fake KV store follows every block move the scheduler asks for; each slot holds the
+    token prefix that produced it. Whatever is read through a block table must be the
+    sequence's own prefix: this checks prefix hits, CoW, swap and preemption together."""
+    rng = random.Random(seed)
+    bs = rng.choice([1, 2, 4])
+    num_blocks, num_cpu = rng.randint(12, 40) // bs + 8, rng.choice([0, 4, 64])
+    sched = Scheduler(BlockManager(num_blocks, bs, num_cpu, enable_prefix_caching=rng.random() < 0.8),
+                      max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(3, 24),
+                      enable_chunked_prefill=rng.random() < 0.8,
+                      preemption_mode=rng.choice(["recompute", "swap"]))
+    gpu = [[None] * bs for _ in range(num_blocks)]
+    cpu = [[None] * bs for _ in range(num_cpu)]
+    want = {}  # seq -> (max_tokens, n)
+    for _ in range(rng.randint(2, 10)):  # prompts share prefixes over a 3-token vocabulary
+        seq = Sequence([rng.randrange(3) for _ in range(rng.randint(1, 10))], block_size=bs)
+        sched.add(seq)
+        want[seq] = (rng.randint(1, 6), rng.choice([1, 1, 3]))
+    for _ in range(2000):
+        if sched.is_finished():
+            break
+        out = sched.schedule()
+        assert out.seqs, "no progress"
+        for g, c in out.blocks_to_swap_out:
+            cpu[c] = list(gpu[g])
+        for c, g in out.blocks_to_swap_in:
+            gpu[g] = list(cpu[c])
+        for s, d in out.blocks_to_copy:
+            gpu[d] = list(gpu[s])
+        for seq, n in zip(out.seqs, out.num_new_tokens):
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                gpu[seq.block_table[p // bs]][p % bs] = tuple(seq.token_ids[:p + 1])
+        for seq, n in zip(out.seqs, out.num_new_tokens):  # what attention reads
+            for p in range(seq.num_computed_tokens + n):
+                assert gpu[seq.block_table[p // bs]][p % bs] == tuple(seq.token_ids[:p + 1])
+        for seq in sched.postprocess(out):
+            max_tokens, n = want[seq]
+            samples = [seq]
+            if n > 1 and seq.num_completion_tokens == 0:
+                for i in range(1, n):
+                    child = seq.fork(i)
+                    sched.fork(seq, child)
+                    want[child] = (max_tokens, 1)
+                    samples.append(child)
+                want[seq] = (max_tokens, 1)
+            for s in samples:
+                s.append_token(rng.randrange(3))
+                if s.num_completion_tokens >= max_tokens or s.num_tokens >= num_blocks * bs:
+                    sched.finish(s, "length")
+        _check_invariants(sched)
+    assert sched.is_finished()
+    assert sched.block_manager.num_free_blocks == num_blocks
