@@ -112,7 +112,7 @@ class LLM:
                                    enable_chunked_prefill, preemption_mode)
         self.tokenizer = self._load_tokenizer(model)
         cfg = self.runner.config
-        self.eos_token_ids = self._eos_ids(cfg)
+        self.eos_token_ids = self._eos_ids(cfg) | self._eos_ids(self.runner.model.generation_config)
         # no sliding-window attention in the ops: stay within the window, where it is exact
         limits = [getattr(cfg, "max_position_embeddings", None), getattr(cfg, "sliding_window", None)]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
@@ -134,18 +134,20 @@ class LLM:
 
     # ---- requests --------------------------------------------------------------------
     def _make_request(self, i: int, prompt, params: SamplingParams) -> _Request:
-        text = None
+        text, ids = None, []
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer in the checkpoint; pass token ids")
-            text, ids = prompt, self.tokenizer(prompt)["input_ids"]
+            text = prompt
+            if self.tokenizer is not None:
+                ids = self.tokenizer(prompt)["input_ids"]
         elif isinstance(prompt, dict):
             ids = list(prompt["prompt_token_ids"])
         else:
             ids = list(prompt)
         req = _Request(i, text, ids, params)
         vocab = self.runner.config.vocab_size
-        if not ids:
+        if text is not None and self.tokenizer is None:
+            req.error = ValueError("string prompts need a tokenizer in the checkpoint; pass token ids")
+        elif not ids:
             req.error = ValueError("empty prompt")
         elif not all(0 <= t < vocab for t in ids):
             req.error = ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -185,6 +187,7 @@ class LLM:
         stats.num_steps += 1
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, self.block_manager.num_used_blocks)
         logits = self.runner.run(out)
+        greedy = logits.argmax(-1).tolist()  # one device sync for all greedy rows
         finished = []
         for row, seq in enumerate(self.scheduler.postprocess(out)):
             req = requests[seq.request_id]
@@ -194,7 +197,8 @@ class LLM:
                 self.scheduler.fork(seq, child)
                 samples.append(child)
             for s in samples:
-                s.append_token(sample(logits[row], s.sampling_params, s.generator))
+                p = s.sampling_params
+                s.append_token(greedy[row] if p.temperature == 0 else sample(logits[row], p, s.generator))
                 if reason := self._finish_reason(s):
                     self.scheduler.finish(s, reason)
                     finished.append(s)

@@ -216,7 +216,7 @@ class ModelRunner:
         _CONTEXT = meta
         try:
             hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None],
-                                      use_cache=False).last_hidden_state[0]  # [T, hidden]
+                                  use_cache=False).last_hidden_state[0]  # [T, hidden]
         finally:
             _CONTEXT = None
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)

@@ -128,6 +128,8 @@ def test_rejected_requests_do_not_block_others(ckpt, ref):
     outs = llm.generate([model_limit], GREEDY)
     assert "maximum length" in str(outs[0].error)
     assert_all_free(llm)
+    _, outs = run(ckpt("qwen2"), ["no tokenizer here", PROMPTS[1]])
+    assert "tokenizer" in str(outs[0].error) and tokens(outs[1:]) == ref("qwen2")[1:2]
 
 
 def test_stops_and_text(ckpt, ref):
