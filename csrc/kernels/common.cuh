@@ -1,0 +1,263 @@
+// Shared pieces of the paged-ops CUDA kernels: storage types, 8-element vector loads/stores with
+// conversion to float, fp8 (de)quantization, and the launch macro that lets the same launcher code
+// run on a GPU (nvcc) or on the CPU emulator (csrc/emu/cuda_emu.h, which defines PAGED_EMU).
+//
+// No torch types anywhere under csrc/kernels: nvcc compiles these without the (slow) torch headers,
+// and the emulator compiles them with the host compiler.
+#pragma once
+
+#ifndef PAGED_EMU
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+#include "kernels/params.h"
+
+// The kernels' namespace. The emulator build renames it (-> paged_cuda_emu_impl) so that its
+// host-compiled kernels can never be confused with nvcc's host stubs of the same templates when
+// both backends are linked into one extension (same mangled names would be merged by the linker).
+#ifndef PAGED_KERNEL_NS
+#define PAGED_KERNEL_NS paged_cuda
+#endif
+
+namespace PAGED_KERNEL_NS {
+using namespace ::paged_cuda;  // the parameter structs of kernels/params.h
+
+// ---- launching ---------------------------------------------------------------------------------
+#ifdef PAGED_EMU
+#define PAGED_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  ::cuda_emu::launch(kernel, grid, block, smem, __VA_ARGS__)
+// The emulator has no per-function shared memory cap below its 227 KB launch limit.
+#define PAGED_ALLOW_SMEM(kernel, bytes) ((void)0)
+#define PAGED_CHECK_LAUNCH(what) ((void)0)
+#else
+#define PAGED_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+// Over 48 KB of dynamic shared memory needs an explicit opt-in per kernel.
+#define PAGED_ALLOW_SMEM(kernel, bytes)                                                          \
+  do {                                                                                           \
+    if ((bytes) > 48 * 1024)                                                                     \
+      ::paged_cuda::check_cuda(                                                                  \
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)), \
+          "cudaFuncSetAttribute");                                                               \
+  } while (0)
+#define PAGED_CHECK_LAUNCH(what) ::paged_cuda::check_cuda(cudaGetLastError(), what)
+inline void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string("paged_cuda: ") + what + ": " + cudaGetErrorString(e));
+}
+#endif
+
+// ---- dtypes ------------------------------------------------------------------------------------
+// Runtime dtype codes the bindings pass in (no torch enum in kernels).
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4 };
+
+// fp8 storage: one byte, the interpretation is the tag type.
+struct e4m3_t {
+  uint8_t x;
+};
+struct e5m2_t {
+  uint8_t x;
+};
+
+template <typename T>
+struct is_fp8 {
+  static constexpr bool value = false;
+};
+template <>
+struct is_fp8<e4m3_t> {
+  static constexpr bool value = true;
+};
+template <>
+struct is_fp8<e5m2_t> {
+  static constexpr bool value = true;
+};
+
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<T>{}) for the storage type of a float dtype (f32/f16/bf16).
+template <typename F>
+inline void dispatch_float(DType d, F&& f) {
+  switch (d) {
+    case DType::F32: return f(Tag<float>{});
+    case DType::F16: return f(Tag<__half>{});
+    case DType::BF16: return f(Tag<__nv_bfloat16>{});
+    default: throw std::runtime_error("paged_cuda: expected a float32/float16/bfloat16 tensor");
+  }
+}
+template <typename F>
+inline void dispatch_fp8(DType d, F&& f) {
+  switch (d) {
+    case DType::E4M3: return f(Tag<e4m3_t>{});
+    case DType::E5M2: return f(Tag<e5m2_t>{});
+    default: throw std::runtime_error("paged_cuda: expected a float8_e4m3fn/float8_e5m2 tensor");
+  }
+}
+// Cache dtype = the activation dtype T, or fp8. Keeps the instantiations at 3 x 3.
+template <typename T, typename F>
+inline void dispatch_cache(DType act, DType cache, F&& f) {
+  if (cache == act) return f(Tag<T>{});
+  if (cache == DType::E4M3) return f(Tag<e4m3_t>{});
+  if (cache == DType::E5M2) return f(Tag<e5m2_t>{});
+  throw std::runtime_error("paged_cuda: cache dtype must be the activation dtype or fp8");
+}
+
+// ---- scalar conversions ------------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(e4m3_t x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.x, __NV_E4M3)));  // exact: fp8 is a subset of fp16
+}
+__device__ __forceinline__ float to_float(e5m2_t x) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.x, __NV_E5M2)));
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// The contract's quantization: x / scale as a correctly rounded fp32 division (__fdiv_rn: not the
+// approximate division --use_fast_math would pick), then a saturating round-to-nearest-even cast.
+// __NV_SATFINITE clamps out-of-range values and infinities to +-max and keeps NaN a NaN, which is
+// exactly torch's clamp(-max, max) followed by its cast.
+// One difference remains: the intrinsic returns the canonical NaN 0x7f for every NaN, torch keeps
+// the sign (0xff for a negative NaN); we keep the sign too, so stored bytes are identical.
+__device__ __forceinline__ uint8_t fp8_nan_with_sign(float y) { return (__float_as_int(y) < 0 ? 0x80 : 0) | 0x7f; }
+template <typename T>
+__device__ __forceinline__ T quantize_fp8(float x, float scale);
+template <>
+__device__ __forceinline__ e4m3_t quantize_fp8<e4m3_t>(float x, float scale) {
+  const float y = __fdiv_rn(x, scale);
+  if (y != y) return e4m3_t{fp8_nan_with_sign(y)};
+  return e4m3_t{static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3))};
+}
+template <>
+__device__ __forceinline__ e5m2_t quantize_fp8<e5m2_t>(float x, float scale) {
+  const float y = __fdiv_rn(x, scale);
+  if (y != y) return e5m2_t{fp8_nan_with_sign(y)};
+  return e5m2_t{static_cast<uint8_t>(__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E5M2))};
+}
+
+// Activation/cache store: a float cast for float types, the saturating quantization for fp8.
+template <typename T>
+__device__ __forceinline__ T store_cast(float x, float scale) {
+  if constexpr (is_fp8<T>::value) {
+    return quantize_fp8<T>(x, scale);
+  } else {
+    return from_float<T>(x);
+  }
+}
+
+// ---- 8-element vectors ---------------------------------------------------------------------------
+// Head sizes are multiples of 8, so every row splits into 8-element chunks: 16 bytes for 16-bit
+// types (one 128-bit load), 8 for fp8, 32 for fp32 (two 128-bit loads). `aligned` is uniform per
+// launch (pointer and all strides are multiples of the chunk's byte size); an odd view falls back
+// to scalar loads instead of faulting on a misaligned vector access.
+template <typename T>
+struct Chunk8 {
+  static constexpr int kBytes = 8 * sizeof(T);
+};
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&o)[8], bool aligned, float mul = 1.0f) {
+  if (aligned) {
+    if constexpr (sizeof(T) == 4) {
+      const float4 a = reinterpret_cast<const float4*>(p)[0];
+      const float4 b = reinterpret_cast<const float4*>(p)[1];
+      o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+    } else if constexpr (sizeof(T) == 2) {
+      const uint4 u = *reinterpret_cast<const uint4*>(p);
+      T h[8];
+      memcpy(h, &u, sizeof(u));  // not a pointer cast: T and uint4 must not alias (strict aliasing)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = to_float(h[i]);
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(p);
+      T h[8];
+      memcpy(h, &u, sizeof(u));
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = to_float(h[i]);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] = to_float(p[i]);
+  }
+  if (mul != 1.0f) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] *= mul;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* p, const float (&v)[8], bool aligned, float scale = 1.0f) {
+  alignas(16) T tmp[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) tmp[i] = store_cast<T>(v[i], scale);
+  if (aligned) {
+    if constexpr (sizeof(T) == 4) {
+      uint4 u[2];
+      memcpy(u, tmp, sizeof(u));
+      reinterpret_cast<uint4*>(p)[0] = u[0];
+      reinterpret_cast<uint4*>(p)[1] = u[1];
+    } else if constexpr (sizeof(T) == 2) {
+      uint4 u;
+      memcpy(&u, tmp, sizeof(u));
+      *reinterpret_cast<uint4*>(p) = u;
+    } else {
+      uint2 u;
+      memcpy(&u, tmp, sizeof(u));
+      *reinterpret_cast<uint2*>(p) = u;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) p[i] = tmp[i];
+  }
+}
+
+// True when `p + k * stride` is chunk-aligned for every k: the base and every stride (in elements)
+// are multiples of the chunk size.
+template <typename T>
+inline bool chunk_aligned(const void* p, std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(p) % Chunk8<T>::kBytes) return false;
+  for (int64_t s : strides)
+    if ((s * int64_t(sizeof(T))) % Chunk8<T>::kBytes) return false;
+  return true;
+}
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+}  // namespace PAGED_KERNEL_NS
+
+// Dynamic shared memory of `count` elements of T. On the emulator the count is checked against the
+// launch's request; on a GPU it documents the size the launcher must request.
+#ifdef PAGED_EMU
+#define PAGED_DYNAMIC_SMEM(T, name, count) T* name = ::cuda_emu::dynamic_smem<T>(count)
+#else
+#define PAGED_DYNAMIC_SMEM(T, name, count)                       \
+  extern __shared__ __align__(16) unsigned char paged_smem_raw[]; \
+  T* name = reinterpret_cast<T*>(paged_smem_raw)
+#endif
