@@ -24,6 +24,7 @@ class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
+        self.num_tokens = 0  # slots filled (or being filled this step)
         self.hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
 
@@ -49,6 +50,7 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.prefix_queries = 0   # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0      # of which found
+        self.num_tokens_in_use = 0  # filled slots of in-use blocks, kept up to date for KV utilization
 
     # ---- pool primitives -------------------------------------------------------------
     @property
@@ -71,13 +73,14 @@ class BlockManager:
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
             block.hash, block.token_ids = None, ()
-        block.ref_count = 1
+        block.ref_count, block.num_tokens = 1, 0
         return block_id
 
     def _acquire(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:  # a cache hit on a free block takes it out of the queue
             del self.free_block_ids[block_id]
+            self.num_tokens_in_use += block.num_tokens
         block.ref_count += 1
 
     def _release(self, block_id: int) -> None:
@@ -86,6 +89,7 @@ class BlockManager:
         block.ref_count -= 1
         if block.ref_count == 0:
             self.free_block_ids[block_id] = None  # most recently used: evicted last
+            self.num_tokens_in_use -= block.num_tokens
 
     # ---- prefix caching --------------------------------------------------------------
     def block_hash(self, seq: Sequence, i: int) -> int:
@@ -165,9 +169,20 @@ class BlockManager:
             self._release(src)
             seq.block_table[-1] = dst
             copies.append((src, dst))
-        while len(seq.block_table) < cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size):
+        end = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < cdiv(end, self.block_size):
             seq.block_table.append(self._take_free_block())
+        self._set_filled(seq, seq.num_computed_tokens // self.block_size, end)
         return copies
+
+    def _set_filled(self, seq: Sequence, first_block: int, num_tokens: int) -> None:
+        # seq's blocks from first_block on hold its tokens up to num_tokens
+        for i in range(first_block, len(seq.block_table)):
+            block = self.blocks[seq.block_table[i]]
+            filled = min(self.block_size, max(0, num_tokens - i * self.block_size))
+            if filled > block.num_tokens:
+                self.num_tokens_in_use += filled - block.num_tokens
+                block.num_tokens = filled
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks, last first: a chain's tail is then evicted before its head,
@@ -205,7 +220,8 @@ class BlockManager:
         self.free_cpu_block_ids.extend(reversed(seq.cpu_block_table))
         seq.cpu_block_table = []
         seq.block_table = [gpu for _, gpu in mapping]
-        seq.num_cached_blocks = 0  # re-registered by cache_full_blocks after the next step
+        seq.num_cached_blocks = 0  # registered again when scheduled
+        self._set_filled(seq, 0, seq.num_computed_tokens)
         return mapping
 
     def free_cpu(self, seq: Sequence) -> None:

@@ -185,7 +185,10 @@ class LLM:
         if out.is_empty:
             raise RuntimeError("scheduler made no progress (KV pool too small for any request?)")
         stats.num_steps += 1
-        stats.peak_kv_blocks = max(stats.peak_kv_blocks, self.block_manager.num_used_blocks)
+        bm = self.block_manager
+        stats.peak_kv_blocks = max(stats.peak_kv_blocks, bm.num_used_blocks)
+        stats.kv_tokens_stored += bm.num_tokens_in_use
+        stats.kv_slots_allocated += bm.num_used_blocks * bm.block_size
         logits = self.runner.run(out)
         greedy = logits.argmax(-1).tolist()  # one device sync for all greedy rows
         finished = []
@@ -202,17 +205,7 @@ class LLM:
                 if reason := self._finish_reason(s):
                     self.scheduler.finish(s, reason)
                     finished.append(s)
-        self._count_kv_usage(stats)
         return finished
-
-    def _count_kv_usage(self, stats: RunStats) -> None:
-        # tokens stored / slots allocated over the distinct blocks of running sequences
-        bs, filled = self.block_manager.block_size, {}
-        for seq in self.scheduler.running:
-            for i, b in enumerate(seq.block_table):
-                filled[b] = max(filled.get(b, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-        stats.kv_tokens_stored += sum(filled.values())
-        stats.kv_slots_allocated += len(filled) * bs
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:

@@ -166,8 +166,9 @@ class ModelRunner:
             c.numel() * c.element_size() for c in self.kv.key_caches + self.kv.value_caches)
         del self.kv
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        return int(total * gpu_memory_utilization - peak) // self.bytes_per_block
+        free, total = torch.cuda.mem_get_info(self.device)
+        outside_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, other processes
+        return int(total * gpu_memory_utilization - peak - outside_torch) // self.bytes_per_block
 
     # ---- block moves -----------------------------------------------------------------
     def _move_blocks(self, out: SchedulerOutput) -> None:

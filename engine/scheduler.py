@@ -51,16 +51,17 @@ class Scheduler:
     def is_finished(self) -> bool:
         return not (self.waiting or self.running or self.swapped)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
+    def _chunk(self, seq: Sequence, budget: int, num_computed: int | None = None) -> int:
         """Tokens of seq to compute now: all uncomputed ones, cut to the budget. Without
         chunked prefill a prompt runs whole or waits (0), unless it could never fit."""
-        remaining = seq.num_tokens - seq.num_computed_tokens
+        remaining = seq.num_tokens - (seq.num_computed_tokens if num_computed is None else num_computed)
         if (not self.enable_chunked_prefill and remaining > budget
                 and remaining <= self.max_num_batched_tokens):
             return 0
         return min(remaining, budget)
 
     def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks; the block bookkeeping is done, the data moves are in the output."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
@@ -100,13 +101,10 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs and budget > 0):
             seq = self.waiting[0]
             cached = bm.get_computed_blocks(seq)
-            seq.num_computed_tokens = len(cached) * bm.block_size  # so _chunk counts the rest
-            n = self._chunk(seq, budget)
+            n = self._chunk(seq, budget, len(cached) * bm.block_size)
             if n == 0 or not bm.can_allocate(seq, cached, n):
-                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            seq.num_computed_tokens = 0
             bm.allocate(seq, cached, n)
             self._admit(out, seq, n)
             budget -= n

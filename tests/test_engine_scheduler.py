@@ -146,6 +146,12 @@ def _check_invariants(sched):
     for seq in [*sched.waiting, *sched.swapped]:
         assert seq.block_table == []
     assert [b.ref_count for b in bm.blocks] == [holders.get(i, 0) for i in range(bm.num_blocks)]
+    filled = {}
+    for seq in sched.running:
+        for i, b in enumerate(seq.block_table):
+            filled[b] = max(filled.get(b, 0), min(bm.block_size, max(0, seq.num_computed_tokens - i * bm.block_size)))
+    assert all(bm.blocks[b].num_tokens == f for b, f in filled.items())
+    assert bm.num_tokens_in_use == sum(filled.values())
     assert set(bm.free_block_ids) == {i for i in range(bm.num_blocks) if i not in holders}
     assert all(bm.blocks[b].hash == h for h, b in bm.hash_to_block_id.items())
     cpu_held = [c for s in sched.swapped for c in s.cpu_block_table]
