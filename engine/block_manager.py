@@ -142,8 +142,8 @@ class BlockManager:
         for block_id in cached:
             self._acquire(block_id)
         seq.block_table = list(cached)
-        seq.num_computed_tokens = seq.num_cached_blocks = len(cached)
-        seq.num_computed_tokens *= self.block_size
+        seq.num_cached_blocks = len(cached)
+        seq.num_computed_tokens = len(cached) * self.block_size
         self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_computed_tokens
         self.append_slots(seq, num_new_tokens)

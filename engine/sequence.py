@@ -28,12 +28,10 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 block_size: int = 16, request_id: int = 0, sample_index: int = 0,
-                 arrival: int | None = None):
+                 block_size: int = 16, request_id: int = 0, sample_index: int = 0):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.sample_index = sample_index          # i of the request's n samples
-        self.arrival = self.seq_id if arrival is None else arrival
         self.block_size = block_size
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -93,8 +91,7 @@ class Sequence:
 
     def fork(self, sample_index: int) -> Sequence:
         """A sibling with the same tokens and computed state; the caller shares the blocks."""
-        child = Sequence(self.token_ids, self.sampling_params, self.block_size, self.request_id,
-                         sample_index, arrival=self.arrival)
+        child = Sequence(self.token_ids, self.sampling_params, self.block_size, self.request_id, sample_index)
         child.num_prompt_tokens = self.num_prompt_tokens
         child.status = self.status
         child.num_computed_tokens = self.num_computed_tokens
