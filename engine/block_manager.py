@@ -129,6 +129,12 @@ class BlockManager:
                 self.hash_to_block_id[h] = block.block_id
             seq.num_cached_blocks = i + 1
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (the blocks themselves stay where they are)."""
+        for block in self.blocks:
+            block.hash, block.token_ids = None, ()
+        self.hash_to_block_id.clear()
+
     # ---- sequence-level API ----------------------------------------------------------
     def can_allocate(self, seq: Sequence, cached: list[int], num_new_tokens: int) -> bool:
         """Could seq be admitted with prefix hits ``cached`` and num_new_tokens computed now?"""

@@ -230,13 +230,18 @@ class LLM:
         bar = tqdm(total=len(prompts), desc="generate", disable=not (use_tqdm if use_tqdm is not None
                                                                         else len(prompts) >= 16))
         bar.update(len(prompts) - sum(r.error is None for r in requests.values()))
-        while pending:
-            for seq in self.step(requests, stats):
-                pending -= 1
-                stats.output_tokens += seq.num_completion_tokens
-                req = requests[seq.request_id]
-                if all(s.is_finished for s in req.seqs) and len(req.seqs) == req.params.n:
-                    bar.update(1)
+        try:
+            while pending:
+                for seq in self.step(requests, stats):
+                    pending -= 1
+                    stats.output_tokens += seq.num_completion_tokens
+                    req = requests[seq.request_id]
+                    if all(s.is_finished for s in req.seqs) and len(req.seqs) == req.params.n:
+                        bar.update(1)
+        except BaseException:
+            sched.abort_all()  # leave the engine usable, with every block free
+            bar.close()
+            raise
         assert sched.is_finished()
 
         stats.elapsed_s = time.perf_counter() - start

@@ -154,3 +154,13 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.block_manager.free(seq)
         self.running.remove(seq)
+
+    def abort_all(self) -> None:
+        """Drop every request (after an error in a step), freeing all blocks. The prefix cache
+        is dropped too: blocks are registered when scheduled, and the failed step never wrote them."""
+        for seq in self.running:
+            self.block_manager.free(seq)
+        for seq in self.swapped:
+            self.block_manager.free_cpu(seq)
+        self.running, self.waiting, self.swapped = [], deque(), deque()
+        self.block_manager.reset_prefix_cache()

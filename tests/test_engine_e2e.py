@@ -118,6 +118,30 @@ def test_fp8_kv_cache(ckpt, ref, kv_cache_dtype):
     assert agree >= len(PROMPTS) - 1
 
 
+def test_checkpoint_fp8_scales_are_used(ckpt, tmp_path):
+    import shutil
+    from safetensors.torch import save_file
+    model = shutil.copytree(ckpt("llama"), tmp_path / "ckpt")
+    scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.02 * (i + 1) * (2 if kv == "v" else 1))
+              for i in range(2) for kv in "kv"}
+    save_file(scales, model / "kv_scales.safetensors")  # not in the HF index: only the engine reads it
+    llm, outs = run(str(model), block_size=16, kv_cache_dtype="fp8")
+    kv = llm.runner.kv
+    assert [float(s) for s in kv.k_scales + kv.v_scales] == pytest.approx([0.02, 0.04, 0.04, 0.08])
+    assert tokens(outs) == hf_greedy_fake_fp8(str(model), PROMPTS, MAX_TOKENS, torch.float8_e4m3fn,
+                                              kv.k_scales, kv.v_scales)
+
+
+def test_error_in_a_step_frees_everything(ckpt, ref, monkeypatch):
+    llm = LLM(ckpt("llama"), num_kv_blocks=64, block_size=4)
+    monkeypatch.setattr(llm.runner, "run", lambda out: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        llm.generate(PROMPTS, GREEDY)
+    assert_all_free(llm)
+    monkeypatch.undo()
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == ref("llama")
+
+
 def test_rejected_requests_do_not_block_others(ckpt, ref):
     too_long = list(range(10)) * 5          # 50 tokens > 12 blocks * 4 slots
     llm, outs = run(ckpt("llama"), [PROMPTS[1], too_long, []], block_size=4, num_kv_blocks=12)
