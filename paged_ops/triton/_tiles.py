@@ -27,16 +27,18 @@ def fp8_bits_to_float(x, FP8_FORMAT: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, table_row_ptr, pos, valid, kv_head, dims, dim_mask, block_size,
-                 stride_b, stride_t, stride_h, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+def load_kv_tile(cache_ptr, table_row_ptr, pos, valid, kv_head, dims, dim_mask,
+                 stride_b, stride_t, stride_h, KV_BLOCK_SIZE: tl.constexpr,
+                 FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
     """Gather the K or V rows of token positions ``pos`` through the block table.
 
     pos, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD] -> tile [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
-    Per-token lookup, so any block size works (1, 3, 256...). Invalid rows load 0 and never
+    Per-token lookup, so any block size works (1, 3, 256...); it is a constexpr so that
+    the division is a shift for powers of two. Invalid rows load 0 and never
     touch memory: unused slots may hold NaN and table entries past seq_len may be garbage.
     """
-    block_ids = tl.load(table_row_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
-    rows = block_ids * stride_b + (pos % block_size).to(tl.int64) * stride_t + kv_head * stride_h
+    block_ids = tl.load(table_row_ptr + pos // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    rows = block_ids * stride_b + (pos % KV_BLOCK_SIZE).to(tl.int64) * stride_t + kv_head * stride_h
     tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
                    mask=valid[:, None] & dim_mask[None, :], other=0)
     if FP8_FORMAT != FP8_NONE:

@@ -26,16 +26,19 @@ _LOG2E = 1.4426950408889634
 def _decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
-        qk_scale_log2, group_size, head_size, block_size, partition_size, num_splits,
+        qk_scale_log2, partition_size, num_splits,
         stride_qs, stride_qh, stride_os, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+        GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+    # Shapes are constexpr: masks against HEAD_SIZE then have compile-time constancy, which
+    # is what lets Triton vectorize the K/V row loads.
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * group_size
+    num_heads = tl.num_programs(1) * GROUP_SIZE
     seq_len = tl.load(seq_lens_ptr + seq)
     start = split * partition_size
     if start >= seq_len:  # partition past this sequence's end: the reducer never reads it
@@ -43,10 +46,10 @@ def _decode_kernel(
     end = tl.minimum(start + partition_size, seq_len)
 
     rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < group_size
-    heads = kv_head * group_size + rows  # the query heads sharing this KV head
+    row_mask = rows < GROUP_SIZE
+    heads = kv_head * GROUP_SIZE + rows  # the query heads sharing this KV head
     dims = tl.arange(0, HEAD_PAD)
-    dim_mask = dims < head_size
+    dim_mask = dims < HEAD_SIZE
 
     # q: [BLOCK_M, HEAD_PAD]; padded rows are 0 and simply never stored.
     q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
@@ -61,10 +64,10 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
-        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
+        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
+                         stride_kb, stride_kt, stride_kh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
+        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
+                         stride_vb, stride_vt, stride_vh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                             COMPUTE_DTYPE, DOT_PRECISION)
 
@@ -73,7 +76,7 @@ def _decode_kernel(
     if SPLIT:
         # part_out: [num_seqs, num_heads, num_splits, head_size] fp32; part_lse: [.., num_splits]
         part = (seq * num_heads + heads) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * head_size + dims[None, :], out, mask=out_mask)
+        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
         tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
@@ -82,8 +85,8 @@ def _decode_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
-                          head_size, partition_size, num_splits, stride_os, stride_oh,
-                          SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
+                          partition_size, num_splits, stride_os, stride_oh,
+                          HEAD_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Grid: (seq, head). Merge the valid partitions' outputs weighted by exp2(lse - max).
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -96,8 +99,8 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
     dims = tl.arange(0, HEAD_PAD)
-    dim_mask = dims < head_size
-    parts = tl.load(part_out_ptr + part[:, None] * head_size + dims[None, :],
+    dim_mask = dims < HEAD_SIZE
+    parts = tl.load(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :],
                     mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
     out = tl.sum(parts * weights[:, None], 0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
@@ -111,13 +114,18 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
 DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
 
 
-def default_config(head_size: int) -> dict:
-    """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing."""
+def default_config(head_size: int, dtype: torch.dtype) -> dict:
+    """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
+
+    Chosen from sm_90 ahead-of-time compiles (shared memory, registers, no spills): true-fp32
+    dots run on FMA units and need smaller tiles or more warps than 16-bit tensor-core dots.
+    """
     if INTERPRET:
         return dict(DEFAULT_CONFIG)
-    # K and V tiles of BLOCK_N x HEAD_PAD, double-buffered, must fit shared memory.
-    return {"BLOCK_N": 64 if head_pad(head_size) <= 128 else 32, "num_warps": 4, "num_stages": 2,
-            "split_scale": 1.0}
+    pad = head_pad(head_size)
+    if dtype == torch.float32 and pad > 64:
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_scale": 1.0}
+    return {"BLOCK_N": 64 if pad <= 128 else 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
 
 
 def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:
@@ -150,10 +158,11 @@ def tuning_key(query, key_cache, block_tables) -> tuple:
             next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype))
 
 
-def _candidates(head_size: int) -> list[dict]:
+def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
     # split_scale changes only the grid (no recompilation), so it is cheap to sweep; tile
     # configs that exceed shared memory fail to compile and are skipped by the tuner.
-    block_ns = (16, 32, 64) if head_pad(head_size) > 128 else (32, 64, 128)
+    wide = head_pad(head_size) * (2 if dtype == torch.float32 else 1) > 128
+    block_ns = (16, 32, 64) if wide else (32, 64, 128)
     return [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "split_scale": ss}
             for bn in block_ns for w in (4, 8) for st in (2, 3) for ss in (0.5, 1.0, 2.0)]
 
@@ -171,9 +180,9 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
         return autotune.benchmark_ms(lambda: run_decode(
             out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config))
 
-    head_size = query.shape[2]
+    head_size, dtype = query.shape[2], query.dtype
     config = autotune.TUNERS["decode_attention"].choose(
-        device_name(query.device), key, default_config(head_size), _candidates(head_size), bench)
+        device_name(query.device), key, default_config(head_size, dtype), _candidates(head_size, dtype), bench)
     run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config)
 
 
@@ -214,16 +223,17 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens,
         k_scale_t, v_scale_t, part_out, part_lse,
-        scale * _LOG2E, group_size, head_size, block_size, partition, num_splits,
+        scale * _LOG2E, partition, num_splits,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+        GROUP_SIZE=group_size, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
         K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head, FP8_FORMAT=fp8_format(key_cache.dtype),
         COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype), SPLIT=split,
         BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_dim_pad,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, head_size, partition, num_splits,
-            out.stride(0), out.stride(1),
+            out, part_out, part_lse, seq_lens, partition, num_splits,
+            out.stride(0), out.stride(1), HEAD_SIZE=head_size,
             SPLITS_PAD=next_pow2(num_splits), HEAD_PAD=head_dim_pad, num_warps=4)

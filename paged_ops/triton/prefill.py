@@ -28,9 +28,10 @@ _LOG2E = 1.4426950408889634
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr,
-        qk_scale_log2, group_size, head_size, block_size, block_q,
+        qk_scale_log2, block_q,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+        GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -46,11 +47,11 @@ def _prefill_kernel(
     context = seq_len - q_len  # tokens cached before this chunk
 
     rows = tl.arange(0, BLOCK_M)
-    q_pos = q_tile_start + rows // group_size  # position within this sequence's queries
-    heads = kv_head * group_size + rows % group_size
-    row_mask = (rows < block_q * group_size) & (q_pos < q_len)
+    q_pos = q_tile_start + rows // GROUP_SIZE  # position within this sequence's queries
+    heads = kv_head * GROUP_SIZE + rows % GROUP_SIZE
+    row_mask = (rows < block_q * GROUP_SIZE) & (q_pos < q_len)
     dims = tl.arange(0, HEAD_PAD)
-    dim_mask = dims < head_size
+    dim_mask = dims < HEAD_SIZE  # compile-time constancy: lets Triton vectorize row loads
     io_mask = row_mask[:, None] & dim_mask[None, :]
 
     # q: [BLOCK_M, HEAD_PAD]
@@ -74,10 +75,10 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
-        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
-        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask, block_size,
-                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
+        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
+                         stride_kb, stride_kt, stride_kh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
+        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
+                         stride_vb, stride_vt, stride_vh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= context + q_pos[:, None])
@@ -93,21 +94,37 @@ def _prefill_kernel(
 DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
-def default_config(head_size: int) -> dict:
-    """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing."""
+def default_config(head_size: int, dtype: torch.dtype) -> dict:
+    """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
+
+    Chosen from sm_90 ahead-of-time compiles to fit shared memory without register spills:
+    true-fp32 dots run on FMA units and need much smaller tiles than 16-bit tensor-core dots.
+    """
     if INTERPRET:
         return dict(DEFAULT_CONFIG)
-    if head_pad(head_size) > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
+    pad = head_pad(head_size)
+    if dtype == torch.float32:
+        if pad <= 64:
+            return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+        if pad <= 128:
+            return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+    if pad > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
-def _candidates(head_size: int) -> list[dict]:
-    # Tiles that exceed shared memory or registers fail to compile; the tuner skips them.
-    wide = head_pad(head_size) > 128
+def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
+    # Each candidate is a compile on first use, so the sweep stays small (<= 16). Tiles that
+    # exceed shared memory fail to compile and the tuner skips them; the filter drops configs
+    # whose fp32 accumulator alone would take over 128 registers per thread.
+    pad = head_pad(head_size)
+    if dtype == torch.float32:  # FMA dots: small tiles only
+        grid = [(bm, bn, w, 2) for bm in (32, 64) for bn in (16, 32) for w in (4, 8)]
+    else:
+        grid = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64) for w in (4, 8) for st in (2, 3)]
     return [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": st}
-            for bm in (32, 64, 128) for bn in ((16, 32) if wide else (32, 64)) for w in (4, 8)
-            for st in (2, 3)]
+            for bm, bn, w, st in grid if bm * pad // (32 * w) <= 128]
 
 
 def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool) -> tuple:
@@ -133,7 +150,8 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
             max_seqlen_q, scale, causal, k_scale, v_scale, config))
 
     config = autotune.TUNERS["prefill_attention"].choose(
-        device_name(query.device), key, default_config(query.shape[2]), _candidates(query.shape[2]), bench)
+        device_name(query.device), key, default_config(query.shape[2], query.dtype),
+        _candidates(query.shape[2], query.dtype), bench)
     run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_seqlen_q, scale, causal, k_scale, v_scale, config)
 
@@ -157,10 +175,11 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
         _prefill_kernel[grid](
             out, query, kv_view(key_cache), kv_view(value_cache), block_tables, cu_seqlens_q, seq_lens,
             k_scale_t, v_scale_t,
-            scale * _LOG2E, group_size, head_size, block_size, block_q,
+            scale * _LOG2E, block_q,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
+            GROUP_SIZE=group_size, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
             CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
             FP8_FORMAT=fp8_format(key_cache.dtype),
             COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
