@@ -9,6 +9,7 @@ from a module-level context that the runner sets around each forward.
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -23,7 +24,9 @@ ATTN_IMPLEMENTATION = "paged_ops"  # not "paged": transformers reserves "paged|.
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+@functools.cache
 def _ops():
+    # imported on first use, so the scheduler and block manager work without the built ops
     import paged_ops  # noqa: F401  (registers torch.ops.paged.*)
     return torch.ops.paged
 
