@@ -116,6 +116,8 @@ class ModelRunner:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_cpu_blocks: int | None = None, swap_space_bytes: int = 0,
                  max_num_batched_tokens: int = 2048):
+        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}")
         self.device, self.block_size = device, block_size
         self.config = AutoConfig.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(
@@ -125,8 +127,6 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}")
         self.cache_dtype = KV_CACHE_DTYPES.get(kv_cache_dtype, dtype)
         elem = torch.empty((), dtype=self.cache_dtype).element_size()
         self.bytes_per_block = 2 * self.num_layers * block_size * self.num_kv_heads * self.head_size * elem
