@@ -2,6 +2,7 @@
 #include "emu/cuda_emu.h"
 #define PAGED_KERNEL_NS paged_cuda_emu_impl
 #include "kernels/cache.cuh"
+#include "kernels/copy_blocks.cuh"
 #include "cuda/launchers.h"
 
 namespace paged_cuda_emu {

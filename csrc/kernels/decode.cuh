@@ -1,6 +1,6 @@
 // Paged decode attention: one query token per sequence against its whole paged KV history.
 //
-// Work split. A thread block owns one KV head of one sequence and (up to kGroupTile = 8 of) the
+// Work split. A thread block owns one KV head of one sequence and (up to kGroupTile <= 8 of) the
 // query heads that share it, so every KV token is read from memory once per query group, not once
 // per query head as in vLLM's original paged-attention kernel. Within the block, a "token group" of
 // TPT lanes reads one token: each lane loads an 8-element chunk of the K row (one 16-byte load for
@@ -27,15 +27,19 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 namespace PAGED_KERNEL_NS {
 namespace decode {
 
-constexpr int kGroupTile = 8;
+// Query heads per block: the group (rounded up to 1, 2, 4 or 8), at most 8. The accumulators are
+// kGroupTile x 8 floats per lane, so an MHA model (group 1) must not pay for 8.
+constexpr int kMaxGroupTile = 8;
+inline int group_tile(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
 
 inline int lanes_per_token(int head_size) { return head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32; }
 
-template <typename T, typename KV, int TPT>
+template <typename T, typename KV, int TPT, int kGroupTile>
 __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                       float* tmp_out, float* tmp_ml, int n_gtiles,
                                                       bool k_aligned, bool v_aligned) {
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
 }
 
 struct Plan {
-  int threads, tpt, n_gtiles, gmax, partition_size, num_partitions;
+  int threads, tpt, gtile, n_gtiles, gmax, partition_size, num_partitions;
   size_t smem, reduce_smem;
   size_t workspace_floats;  // tmp_out + tmp_ml
 };
@@ -214,8 +218,9 @@ inline Plan plan(const AttentionParams& p, const LaunchConfig& cfg) {
   pl.threads = cfg.threads > 0 ? cfg.threads : kDefaultThreads;
   pl.tpt = lanes_per_token(p.head_size);
   const int group = p.num_heads / p.num_kv_heads;
-  pl.n_gtiles = (group + kGroupTile - 1) / kGroupTile;
-  pl.gmax = std::min(kGroupTile, group);
+  pl.gtile = group_tile(group);
+  pl.n_gtiles = (group + pl.gtile - 1) / pl.gtile;
+  pl.gmax = std::min(pl.gtile, group);
   const int ntg = pl.threads / 32 * (32 / pl.tpt);
   pl.smem = size_t(ntg) * pl.gmax * (p.head_size + 2) * sizeof(float);
   // Upper bound of any context: the block table's width (the real max would need a device sync).
@@ -250,9 +255,18 @@ inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* wor
                      tmp_out, tmp_ml, pl.n_gtiles, ka, va);
         PAGED_CHECK_LAUNCH("decode_kernel");
       };
-      if (pl.tpt == 8) run(decode_kernel<T, KV, 8>);
-      else if (pl.tpt == 16) run(decode_kernel<T, KV, 16>);
-      else run(decode_kernel<T, KV, 32>);
+      auto by_group = [&](auto tpt) {
+        constexpr int TPT = decltype(tpt)::value;
+        switch (pl.gtile) {
+          case 1: return run(decode_kernel<T, KV, TPT, 1>);
+          case 2: return run(decode_kernel<T, KV, TPT, 2>);
+          case 4: return run(decode_kernel<T, KV, TPT, 4>);
+          default: return run(decode_kernel<T, KV, TPT, 8>);
+        }
+      };
+      if (pl.tpt == 8) by_group(std::integral_constant<int, 8>{});
+      else if (pl.tpt == 16) by_group(std::integral_constant<int, 16>{});
+      else by_group(std::integral_constant<int, 32>{});
     });
     if (pl.num_partitions > 1) {
       auto kernel = decode_reduce_kernel<T>;

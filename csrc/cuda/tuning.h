@@ -1,0 +1,97 @@
+// Launch tuning registry of the GPU backend. A shape key (op, dtypes, head size, group, block size,
+// power-of-two buckets of batch and context) maps to the LaunchConfig the tuner measured fastest.
+// The tuner itself is Python (paged_ops/cuda_tuning.py): it times candidates through
+// PAGED_CUDA_CONFIG, records the winner here with paged_cuda::set_tuned_config and persists it in
+// ~/.cache/paged_ops/cuda_tuning.json, which it loads back into this registry at import.
+// An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kernels/params.h"
+
+namespace paged_cuda {
+namespace tuning {
+
+inline int64_t pow2_bucket(int64_t n) {
+  int64_t b = 1;
+  while (b < n) b <<= 1;
+  return b;
+}
+
+inline std::string shape_key(int dtype, int cache_dtype, int head_size, int group, int num_kv_heads, int block_size,
+                             int64_t num_seqs, int64_t len, bool decode) {
+  // len: decode = the block table's capacity in tokens, prefill = max_seqlen_q.
+  return std::string(decode ? "decode" : "prefill") + "|dt" + std::to_string(dtype) + "|kv" +
+         std::to_string(cache_dtype) + "|d" + std::to_string(head_size) + "|g" + std::to_string(group) + "|h" +
+         std::to_string(num_kv_heads) + "|bs" + std::to_string(block_size) + "|n" +
+         std::to_string(pow2_bucket(num_seqs)) + "|l" + std::to_string(pow2_bucket(len));
+}
+
+inline std::string shape_key(const AttentionParams& p, bool decode) {
+  const int64_t len = decode ? int64_t(p.max_blocks_per_seq) * p.block_size : p.max_seqlen_q;
+  return shape_key(p.dtype, p.cache_dtype, p.head_size, p.num_heads / p.num_kv_heads, p.num_kv_heads, p.block_size,
+                   p.num_seqs, len, decode);
+}
+
+struct Registry {
+  std::mutex mu;
+  std::unordered_map<std::string, LaunchConfig> configs;
+};
+inline Registry& registry() {
+  static Registry r;
+  return r;
+}
+
+inline LaunchConfig lookup(const std::string& key) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.configs.find(key);
+  return it == r.configs.end() ? LaunchConfig{} : it->second;
+}
+
+inline void set_config(const std::string& key, int64_t threads, int64_t partition_size, int64_t kv_tile) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  LaunchConfig c;
+  c.threads = int(threads);
+  c.partition_size = int(partition_size);
+  c.kv_tile = int(kv_tile);
+  r.configs[key] = c;
+}
+
+// [threads, partition_size, kv_tile, tuned (1) or default (0)]
+inline std::vector<int64_t> get_config(const std::string& key) {
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mu);
+  auto it = r.configs.find(key);
+  if (it == r.configs.end()) return {0, 0, 0, 0};
+  return {it->second.threads, it->second.partition_size, it->second.kv_tile, 1};
+}
+
+
+inline std::string key_for_tensors(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables,
+                                   int64_t num_seqs_or_max_q, bool decode) {
+  auto code = [](at::ScalarType t) {
+    switch (t) {
+      case at::kFloat: return 0;
+      case at::kHalf: return 1;
+      case at::kBFloat16: return 2;
+      case at::kFloat8_e4m3fn: return 3;
+      case at::kFloat8_e5m2: return 4;
+      default: return -1;
+    }
+  };
+  const int group = int(query.size(1) / key_cache.size(2));
+  const int64_t num_seqs = block_tables.size(0);
+  const int64_t len = decode ? block_tables.size(1) * key_cache.size(1) : num_seqs_or_max_q;
+  return shape_key(code(query.scalar_type()), code(key_cache.scalar_type()), int(query.size(2)), group,
+                   int(key_cache.size(2)), int(key_cache.size(1)), num_seqs, len, decode);
+}
+
+}  // namespace tuning
+}  // namespace paged_cuda
