@@ -14,7 +14,7 @@
 #include <limits>
 #include <vector>
 
-#include "convert.h"
+#include "vec8.h"
 
 namespace paged::cpu {
 
@@ -52,33 +52,143 @@ struct Task {
 
 // Per-thread scratch, reused across tasks.
 struct Scratch {
-  std::vector<float> q, acc, s, k, v, m, l;
+  std::vector<float> q, acc, s, m, l;
+  std::vector<int> last_visible;
   void resize(int rows, int head_size) {
     q.resize(size_t(rows) * head_size);
     acc.resize(size_t(rows) * head_size);
     s.resize(size_t(rows) * kTileTokens);
-    k.resize(size_t(kTileTokens) * head_size);
-    v.resize(size_t(kTileTokens) * head_size);
     m.resize(rows);
     l.resize(rows);
+    last_visible.resize(rows);
   }
 };
+
+// GCC drops __builtin_prefetch here (seen with GCC 12 at -O1 and -O3); asm volatile stays.
+inline void prefetch(const void* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+#else
+  __builtin_prefetch(p);
+#endif
+}
 
 inline float head_scale(const float* scale, bool per_head, int head) {
   return scale == nullptr ? 1.f : scale[per_head ? head : 0];
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+// Prefetches rows of the next tile while this one is computed. Spread over the tile's compute
+// (a few rows per step) rather than issued in one burst, which would overflow the miss buffers.
+// Rows of one KV head are strided and blocks scattered: the hardware prefetcher does not follow.
+template <typename CT>
+struct Prefetch {
+  const CT* const* k = nullptr;
+  const CT* const* v = nullptr;
+  int n = 0;  // rows in the next tile (0: nothing to fetch)
+  int64_t row_bytes = 0;
+  int per_step = 1;  // rows fetched per row of this tile, so the whole next tile is covered
+
+  void rows(int j, int count) const {
+    for (int i = j * per_step; i < std::min(n, (j + count) * per_step); ++i)
+      for (int64_t b = 0; b < row_bytes; b += 64) {
+        prefetch(reinterpret_cast<const char*>(k[i]) + b);
+        prefetch(reinterpret_cast<const char*>(v[i]) + b);
+      }
+  }
+};
+
+// s[r][j] = q[r] . k[j] for R query rows and the n tokens of a tile, reading K straight from the
+// cache. Two tokens at a time: 2R independent FMA chains, and each q chunk is loaded once per pair.
+template <int R, typename CT>
+inline void qk_block(const float* q, int D, const CT* const* k, int n, float* s, const Prefetch<CT>& next) {
+  int j = 0;
+  for (; j + 2 <= n; j += 2) {
+    next.rows(j, 2);
+    Vec8 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = Vec8::zero();
+    for (int c = 0; c < D; c += 8) {
+      const Vec8 k0 = Vec8::load(k[j] + c), k1 = Vec8::load(k[j + 1] + c);
+      for (int r = 0; r < R; ++r) {
+        const Vec8 qr = Vec8::load(q + size_t(r) * D + c);
+        a[r][0] = a[r][0].fma(qr, k0);
+        a[r][1] = a[r][1].fma(qr, k1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      s[r * kTileTokens + j] = a[r][0].sum();
+      s[r * kTileTokens + j + 1] = a[r][1].sum();
+    }
+  }
+  for (; j < n; ++j) {
+    next.rows(j, 1);
+    Vec8 a[R];
+    for (int r = 0; r < R; ++r) a[r] = Vec8::zero();
+    for (int c = 0; c < D; c += 8) {
+      const Vec8 k0 = Vec8::load(k[j] + c);
+      for (int r = 0; r < R; ++r) a[r] = a[r].fma(Vec8::load(q + size_t(r) * D + c), k0);
+    }
+    for (int r = 0; r < R; ++r) s[r * kTileTokens + j] = a[r].sum();
+  }
 }
+
+// acc[r] += sum_j p[r][j] * v[j] for R rows: 16 columns of R rows stay in registers over the tile.
+template <int R, typename CT>
+inline void pv_block(float* acc, int D, const float* p, const CT* const* v, int n) {
+  for (int c = 0; c < D; c += 16) {
+    const bool pair = c + 16 <= D;  // head sizes are multiples of 8, not always of 16
+    Vec8 a[R][2];
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = Vec8::load(acc + size_t(r) * D + c);
+      a[r][1] = pair ? Vec8::load(acc + size_t(r) * D + c + 8) : Vec8::zero();
+    }
+    for (int j = 0; j < n; ++j) {
+      const Vec8 v0 = Vec8::load(v[j] + c);
+      const Vec8 v1 = pair ? Vec8::load(v[j] + c + 8) : Vec8::zero();
+      for (int r = 0; r < R; ++r) {
+        const Vec8 pr = Vec8::broadcast(p[r * kTileTokens + j]);
+        a[r][0] = a[r][0].fma(pr, v0);
+        a[r][1] = a[r][1].fma(pr, v1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      a[r][0].store(acc + size_t(r) * D + c);
+      if (pair) a[r][1].store(acc + size_t(r) * D + c + 8);
+    }
+  }
+}
+
+// Runs a micro-kernel over all rows, four at a time (the register budget of 16 vector registers).
+template <template <int, typename> class Kernel, typename CT, typename... Args>
+inline void for_row_blocks(int rows, Args&&... args) {
+  int r = 0;
+  for (; r + 4 <= rows; r += 4) Kernel<4, CT>::run(r, args...);
+  switch (rows - r) {
+    case 3: Kernel<3, CT>::run(r, args...); break;
+    case 2: Kernel<2, CT>::run(r, args...); break;
+    case 1: Kernel<1, CT>::run(r, args...); break;
+  }
+}
+
+template <int R, typename CT>
+struct QK {
+  static void run(int r, const float* q, int D, const CT* const* k, int n, float* s, const Prefetch<CT>& next) {
+    // Only the first row block issues the next tile's prefetches: once is enough.
+    qk_block<R, CT>(q + size_t(r) * D, D, k, n, s + r * kTileTokens, r == 0 ? next : Prefetch<CT>{});
+  }
+};
+
+template <int R, typename CT>
+struct PV {
+  static void run(int r, float* acc, int D, const float* p, const CT* const* v, int n) {
+    pv_block<R, CT>(acc + size_t(r) * D, D, p + r * kTileTokens, v, n);
+  }
+};
 
 // Runs one task. Rows are (query token, head in group) pairs; row r = token * group + g.
 // Writes out (num_splits == 1) or partial/lse (split tasks).
 template <typename QT, typename CT>
 void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, float* lse) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int D = p.head_size;
   const int group = p.num_heads / p.num_kv_heads;
   const int q_len = p.cu_seqlens_q[t.seq + 1] - p.cu_seqlens_q[t.seq];
@@ -92,7 +202,6 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, t.kv_head);
   const float v_mul = head_scale(p.v_scale, p.per_head_scale, t.kv_head);
   const QT* query = static_cast<const QT*>(p.query);
-  std::vector<int> last_visible(rows);  // last KV position each row may see
   int kv_stop = t.kv_begin;
   for (int i = 0; i < tokens; ++i) {
     const int token = t.q_begin + i;
@@ -102,8 +211,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       const QT* src = query + token * p.q_stride_token + (t.kv_head * group + g) * p.q_stride_head;
       to_float(src, &w.q[size_t(r) * D], D);
       for (int d = 0; d < D; ++d) w.q[size_t(r) * D + d] *= q_mul;
-      last_visible[r] = visible;
-      w.m[r] = -std::numeric_limits<float>::infinity();
+      w.last_visible[r] = visible;
+      w.m[r] = kNegInf;
       w.l[r] = 0.f;
     }
     kv_stop = std::max(kv_stop, std::min(t.kv_end, visible + 1));
@@ -113,40 +222,53 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
   const int32_t* table = p.block_tables + int64_t(t.seq) * p.max_blocks_per_seq;
-  for (int j0 = t.kv_begin; j0 < kv_stop; j0 += kTileTokens) {
-    const int n = std::min(kTileTokens, kv_stop - j0);
-    for (int j = 0; j < n; ++j) {
+  const CT* k_rows[2][kTileTokens];  // this tile's and the next tile's row pointers
+  const CT* v_rows[2][kTileTokens];
+  const int64_t row_bytes = int64_t(D) * sizeof(CT);
+  auto locate = [&](int j0, int slot) {
+    for (int j = 0; j < kTileTokens && j0 + j < kv_stop; ++j) {
       const int pos = j0 + j;
       const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
-      to_float(kc + block * p.k_stride_block + offset * p.k_stride_token + t.kv_head * p.k_stride_head,
-               &w.k[size_t(j) * D], D);
-      to_float(vc + block * p.v_stride_block + offset * p.v_stride_token + t.kv_head * p.v_stride_head,
-               &w.v[size_t(j) * D], D);
+      k_rows[slot][j] = kc + block * p.k_stride_block + offset * p.k_stride_token + t.kv_head * p.k_stride_head;
+      v_rows[slot][j] = vc + block * p.v_stride_block + offset * p.v_stride_token + t.kv_head * p.v_stride_head;
     }
-    for (int r = 0; r < rows; ++r) {
-      const int visible = std::min(n, last_visible[r] - j0 + 1);  // tokens of this tile the row sees
-      if (visible <= 0) continue;
+    return std::min(kTileTokens, kv_stop - j0);
+  };
+  locate(t.kv_begin, 0);
+  Prefetch<CT>{k_rows[0], v_rows[0], std::min(kTileTokens, kv_stop - t.kv_begin), row_bytes, 1}.rows(0, kTileTokens);
+  for (int j0 = t.kv_begin, slot = 0; j0 < kv_stop; j0 += kTileTokens, slot ^= 1) {
+    const int n = std::min(kTileTokens, kv_stop - j0);
+    Prefetch<CT> next;
+    if (j0 + kTileTokens < kv_stop) {
+      next = {k_rows[slot ^ 1], v_rows[slot ^ 1], locate(j0 + kTileTokens, slot ^ 1), row_bytes,
+              (kTileTokens + n - 1) / n};
+    }
+    for_row_blocks<QK, CT>(rows, w.q.data(), D, k_rows[slot], n, w.s.data(), next);
+    for (int r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
       float* s = &w.s[size_t(r) * kTileTokens];
-      float tile_max = -std::numeric_limits<float>::infinity();
-      for (int j = 0; j < visible; ++j) {
-        s[j] = dot(&w.q[size_t(r) * D], &w.k[size_t(j) * D], D);
+      const int visible = std::min(n, w.last_visible[r] - j0 + 1);
+      float tile_max = kNegInf;
+      for (int j = 0; j < n; ++j) {
+        if (j >= visible) s[j] = kNegInf;  // causally hidden
         tile_max = std::max(tile_max, s[j]);
+      }
+      if (tile_max == kNegInf) {  // the row sees nothing here: contributes nothing
+        std::fill(s, s + n, 0.f);
+        continue;
       }
       const float m_new = std::max(w.m[r], tile_max);
       const float correction = std::exp(w.m[r] - m_new);  // exp(-inf) = 0 on the first tile
-      float* acc = &w.acc[size_t(r) * D];
       float row_sum = 0.f;
-      for (int d = 0; d < D; ++d) acc[d] *= correction;
-      for (int j = 0; j < visible; ++j) {
-        const float pj = std::exp(s[j] - m_new);
-        row_sum += pj;
-        const float* v = &w.v[size_t(j) * D];
-#pragma omp simd
-        for (int d = 0; d < D; ++d) acc[d] += pj * v[d];
+      for (int j = 0; j < n; ++j) {
+        s[j] = std::exp(s[j] - m_new);
+        row_sum += s[j];
       }
+      if (correction != 1.f)
+        for (int d = 0; d < D; ++d) w.acc[size_t(r) * D + d] *= correction;
       w.l[r] = w.l[r] * correction + row_sum;
       w.m[r] = m_new;
     }
+    for_row_blocks<PV, CT>(rows, w.acc.data(), D, w.s.data(), v_rows[slot], n);
   }
 
   for (int r = 0; r < rows; ++r) {
@@ -160,7 +282,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     } else {
       const int64_t row = t.partial_offset + r;
       std::copy(acc, acc + D, partial + row * D);
-      lse[row] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : -std::numeric_limits<float>::infinity();
+      lse[row] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : kNegInf;
     }
   }
 }

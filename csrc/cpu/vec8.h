@@ -1,0 +1,63 @@
+// Eight floats at a time, loaded straight from any storage dtype. AVX2/FMA/F16C on x86;
+// plain arrays (which the compiler vectorizes as it can) elsewhere.
+#pragma once
+#include "convert.h"
+
+namespace paged::cpu {
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Vec8 {
+  __m256 v;
+  static Vec8 zero() { return {_mm256_setzero_ps()}; }
+  static Vec8 broadcast(float x) { return {_mm256_set1_ps(x)}; }
+  static Vec8 load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec8 load(const c10::BFloat16* p) {  // bf16 is the top half of a float
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+  }
+  static Vec8 load(const c10::Half* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))};
+  }
+  template <typename T, std::enable_if_t<is_fp8_v<T>, int> = 0>
+  static Vec8 load(const T* p) {  // exact widening through the 256-entry table
+    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_i32gather_ps(fp8_table<T>(), idx, 4)};
+  }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  Vec8 fma(Vec8 a, Vec8 b) const { return {_mm256_fmadd_ps(a.v, b.v, v)}; }  // this + a * b
+  float sum() const {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+  }
+};
+#else
+struct Vec8 {
+  float v[8];
+  static Vec8 zero() { return broadcast(0.f); }
+  static Vec8 broadcast(float x) {
+    Vec8 r;
+    for (float& e : r.v) e = x;
+    return r;
+  }
+  template <typename T>
+  static Vec8 load(const T* p) {
+    Vec8 r;
+    to_float(p, r.v, 8);
+    return r;
+  }
+  void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  Vec8 fma(Vec8 a, Vec8 b) const {
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = v[i] + a.v[i] * b.v[i];
+    return r;
+  }
+  float sum() const {
+    float s = 0.f;
+    for (float e : v) s += e;
+    return s;
+  }
+};
+#endif
+
+}  // namespace paged::cpu
