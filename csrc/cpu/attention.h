@@ -38,7 +38,7 @@ struct AttentionParams {
   bool causal;
 };
 
-inline constexpr int kTileTokens = 32;
+inline constexpr int kTileTokens = 32;  // a multiple of 8: softmax runs on whole vectors
 // Below this many tasks per thread a long sequence is split; splits never get shorter than this.
 inline constexpr int kTasksPerThread = 4;
 inline constexpr int kMinSplitTokens = 256;
@@ -246,26 +246,27 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     for_row_blocks<QK, CT>(rows, w.q.data(), D, k_rows[slot], n, w.s.data(), next);
     for (int r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
       float* s = &w.s[size_t(r) * kTileTokens];
-      const int visible = std::min(n, w.last_visible[r] - j0 + 1);
-      float tile_max = kNegInf;
-      for (int j = 0; j < n; ++j) {
-        if (j >= visible) s[j] = kNegInf;  // causally hidden
-        tile_max = std::max(tile_max, s[j]);
-      }
+      const int visible = std::max(0, std::min(n, w.last_visible[r] - j0 + 1));
+      std::fill(s + visible, s + kTileTokens, kNegInf);  // causally hidden, or past the tile
+      Vec8 vmax = Vec8::load(s);
+      for (int c = 8; c < kTileTokens; c += 8) vmax = Vec8::max(vmax, Vec8::load(s + c));
+      const float tile_max = vmax.reduce_max();
       if (tile_max == kNegInf) {  // the row sees nothing here: contributes nothing
-        std::fill(s, s + n, 0.f);
+        std::fill(s, s + kTileTokens, 0.f);
         continue;
       }
       const float m_new = std::max(w.m[r], tile_max);
       const float correction = std::exp(w.m[r] - m_new);  // exp(-inf) = 0 on the first tile
-      float row_sum = 0.f;
-      for (int j = 0; j < n; ++j) {
-        s[j] = std::exp(s[j] - m_new);
-        row_sum += s[j];
+      const Vec8 shift = Vec8::broadcast(m_new);
+      Vec8 sum = Vec8::zero();
+      for (int c = 0; c < kTileTokens; c += 8) {
+        const Vec8 e = Vec8::exp(Vec8::load(s + c) - shift);
+        e.store(s + c);
+        sum = sum + e;
       }
       if (correction != 1.f)
         for (int d = 0; d < D; ++d) w.acc[size_t(r) * D + d] *= correction;
-      w.l[r] = w.l[r] * correction + row_sum;
+      w.l[r] = w.l[r] * correction + sum.sum();
       w.m[r] = m_new;
     }
     for_row_blocks<PV, CT>(rows, w.acc.data(), D, w.s.data(), v_rows[slot], n);
