@@ -9,27 +9,46 @@ from __future__ import annotations
 
 import os
 
-DEVICES = ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
 
 
-def is_available() -> bool:
-    """Triton importable, and a CUDA device or the interpreter to run its kernels on."""
+def _interpreter_works() -> bool:
+    """TRITON_INTERPRET=1 is set *and* took effect.
+
+    Triton decorates its own library functions (tl.zeros, tl.sum...) when it is first
+    imported; if that happened before the variable was set (e.g. torch imported triton
+    first), interpreted kernels fail on every library call. Then the backend must not
+    claim CPU tensors.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
     try:
-        import triton  # noqa: F401
-        import torch
+        import triton.language as tl
+        from triton.runtime.interpreter import InterpretedFunction
     except ImportError:
         return False
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    return isinstance(tl.zeros, InterpretedFunction)
 
 
+DEVICES = ("cuda", "cpu") if _interpreter_works() else ("cuda",)
+
+
+_IMPORT_ERROR: ImportError | None = None
 try:
     from .autotune import last_config
     from .cache import copy_blocks, reshape_and_cache, swap_blocks
     from .decode import decode_attention
     from .fp8 import dequantize_fp8, quantize_fp8
     from .prefill import prefill_attention
-except ImportError:  # triton missing: the router sees is_available() == False
-    pass
+except ImportError as e:  # triton missing or too old: the router sees is_available() == False
+    _IMPORT_ERROR = e
+
+
+def is_available() -> bool:
+    """Kernels importable (triton present), and a CUDA device or the interpreter to run them on."""
+    if _IMPORT_ERROR is not None:
+        return False
+    import torch
+    return torch.cuda.is_available() or "cpu" in DEVICES
 
 __all__ = ["DEVICES", "is_available", "last_config", "reshape_and_cache", "decode_attention",
            "prefill_attention", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks"]

@@ -34,8 +34,13 @@ def cache_path() -> Path:
 
 
 def tuning_enabled() -> bool:
-    """Benchmark unseen shapes? Never under the interpreter; opt-out with PAGED_OPS_TRITON_AUTOTUNE=0."""
-    return not INTERPRET and os.environ.get("PAGED_OPS_TRITON_AUTOTUNE", "1") != "0"
+    """Benchmark unseen shapes? Never under the interpreter, never while a CUDA graph is being
+    captured (benchmarking would launch and synchronize inside the capture); opt out with
+    PAGED_OPS_TRITON_AUTOTUNE=0."""
+    if INTERPRET or os.environ.get("PAGED_OPS_TRITON_AUTOTUNE", "1") == "0":
+        return False
+    import torch
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def _read_file(path: Path) -> dict:
