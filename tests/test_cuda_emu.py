@@ -76,6 +76,14 @@ def test_decode_head_sizes(head_size, dtype):
 
 
 @pytest.mark.parametrize("head_size", [8, 24, 136, 200])
+def test_prefill_other_head_sizes(head_size):
+    # head sizes that are not multiples of 16: the tensor-core path pads the k-steps with zeros.
+    case = make_case([7, 20], q_lens=[7, 9], num_heads=6, num_kv_heads=2, head_size=head_size, block_size=8,
+                     dtype=torch.bfloat16, seed=head_size)
+    check_prefill(case)
+
+
+@pytest.mark.parametrize("head_size", [8, 24, 136, 200])
 def test_decode_other_head_sizes(head_size):
     # Any multiple of 8 up to 256 runs (runtime head size; no dispatch table to fall off).
     case = make_case([7, 20], num_heads=4, num_kv_heads=1, head_size=head_size, block_size=8, seed=head_size)
@@ -145,8 +153,16 @@ PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2],
                 for i, (bs, g) in enumerate(itertools.product((1, 3, 16), GROUPS))]
 
 
-@pytest.mark.parametrize("block_size,group,dtype,head_size,layout,causal", PREFILL_GRID)
-def test_prefill(block_size, group, dtype, head_size, layout, causal):
+# default: tensor cores (mma.sync, emulated) for fp16/bf16, CUDA cores for fp32; "cuda_cores"
+# forces the CUDA-core kernel for the 16-bit cases as well (fp32 takes it anyway).
+PREFILL_PATHS = [("default",) + c for c in PREFILL_GRID] + \
+                [("cuda_cores",) + c for c in PREFILL_GRID if c[2] != torch.float32]
+
+
+@pytest.mark.parametrize("path,block_size,group,dtype,head_size,layout,causal", PREFILL_PATHS)
+def test_prefill(launch_config, path, block_size, group, dtype, head_size, layout, causal):
+    if path == "cuda_cores":
+        launch_config(tc=-1)
     # Chunked prefill: cached context before the new tokens, a q_len = 1 (decode) row, a fresh
     # prompt (q_len = seq_len), a sequence with no new tokens, exact block boundaries.
     seq_lens = [1, 2 * block_size, 21, 9, 6]
@@ -158,7 +174,7 @@ def test_prefill(block_size, group, dtype, head_size, layout, causal):
 
 @pytest.mark.parametrize("kv_tile,threads", [(16, 64), (64, 256), (7, 128)])
 def test_prefill_launch_configs(launch_config, kv_tile, threads):
-    launch_config(kv_tile=kv_tile, threads=threads)
+    launch_config(kv_tile=kv_tile, threads=threads, tc=-1)
     case = make_case([40, 13], q_lens=[33, 13], num_heads=14, num_kv_heads=2, head_size=96, block_size=16,
                      dtype=torch.float16, seed=kv_tile)
     check_prefill(case)
@@ -304,6 +320,18 @@ def test_emu_warp_ops(n):
         assert out[t, 6] == int(any(int(x[s]) == 7 for s in lanes))
         assert out[t, 7] == val(w0 + (lane ^ 4)), t
         assert out[t, 8] == int(x[n - 1 - t])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_emu_mma_matches_matmul(dtype):
+    # The emulated mma.sync m16n8k16 with the fragment layouts of kernels/mma.cuh.
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(16, 16, generator=g).to(dtype)
+    b = torch.randn(16, 8, generator=g).to(dtype)
+    ref = a.double() @ b.double()
+    out = selftest.mma(a, b)
+    for d in out:
+        assert (d.double() - ref).abs().max() < 1e-4
 
 
 def test_emu_atomics_across_blocks():

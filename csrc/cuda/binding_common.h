@@ -34,7 +34,7 @@ inline int dtype_code(at::ScalarType t) {
   }
 }
 
-// PAGED_CUDA_CONFIG="threads=128,partition=64,kv_tile=32,force_split=1" overrides the launch
+// PAGED_CUDA_CONFIG="threads=128,partition=64,kv_tile=32,force_split=1,tc=-1" overrides the launch
 // configuration of the attention kernels (tests force the split-KV path with it; the tuner times
 // candidates with it). Read at every call: it is a handful of characters.
 inline LaunchConfig config_from_env(const char* var = "PAGED_CUDA_CONFIG") {
@@ -55,6 +55,7 @@ inline LaunchConfig config_from_env(const char* var = "PAGED_CUDA_CONFIG") {
       else if (k == "partition") c.partition_size = v;
       else if (k == "kv_tile") c.kv_tile = v;
       else if (k == "force_split") c.force_split = v;
+      else if (k == "tc") c.tensor_cores = v;
       else TORCH_CHECK(false, "PAGED_CUDA_CONFIG: unknown key '", k, "'");
     }
     pos = end + 1;

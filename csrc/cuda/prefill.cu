@@ -6,7 +6,7 @@ namespace paged_cuda {
 namespace launchers {
 
 void prefill_attention(const AttentionParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
-  prefill::launch(p, cfg, stream);
+  prefill::launch_auto(p, cfg, stream);
 }
 
 }  // namespace launchers

@@ -18,7 +18,7 @@ void decode_attention(const paged_cuda::AttentionParams& p, const paged_cuda::La
 }
 void prefill_attention(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& cfg,
                        cudaStream_t stream) {
-  k::prefill::launch(p, cfg, stream);
+  k::prefill::launch_auto(p, cfg, stream);
 }
 
 }  // namespace launchers

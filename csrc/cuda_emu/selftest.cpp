@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include "emu/cuda_emu.h"  // after torch: its macros (threadIdx, __shared__, ...) must not reach torch
+#define PAGED_KERNEL_NS paged_cuda_emu_selftest_impl
+#include "kernels/mma.cuh"
 
 namespace {
 
@@ -63,6 +65,46 @@ __global__ void smem_kernel(float* out, int count) {
   out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
 }
 
+// One warp: D = A (16x16) * B (16x8) through the fragment loaders and mma_16816, B taken once from
+// a [k][n] and once from an [n][k] (transposed) shared-memory layout. out: [2, 16, 8] float.
+template <typename T>
+__global__ void mma_kernel(const T* A, const T* B, const T* Bt, float* out) {
+  namespace k = paged_cuda_emu_selftest_impl;
+  __shared__ T sa[16 * 16], sb[16 * 8], sbt[8 * 16];
+  for (int i = threadIdx.x; i < 256; i += 32) sa[i] = A[i];
+  for (int i = threadIdx.x; i < 128; i += 32) sb[i] = B[i], sbt[i] = Bt[i];
+  __syncthreads();
+  uint32_t a[4], b[2], bt[2];
+  k::load_a_frag(a, sa, 16, 0, 0);
+  k::load_b_frag_kn(b, sb, 8, 0, 0);
+  k::load_b_frag_nk(bt, sbt, 16, 0, 0);
+  float d[4] = {0, 0, 0, 0}, dt[4] = {0, 0, 0, 0};
+  k::mma_16816<T>(d, a, b);
+  k::mma_16816<T>(dt, a, bt);
+  const int g = threadIdx.x / 4, t = threadIdx.x % 4;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + 8 * (i / 2), col = 2 * t + (i % 2);
+    out[row * 8 + col] = d[i];
+    out[128 + row * 8 + col] = dt[i];
+  }
+}
+
+at::Tensor mma(const at::Tensor& A, const at::Tensor& B) {
+  at::Tensor out = at::full({2, 16, 8}, std::nanf(""), A.options().dtype(at::kFloat));
+  const at::Tensor a = A.contiguous(), b = B.contiguous(), bt = B.t().contiguous();
+  if (A.scalar_type() == at::kHalf) {
+    cuda_emu::launch(mma_kernel<__half>, dim3(1), dim3(32), 0, static_cast<const __half*>(a.data_ptr()),
+                     static_cast<const __half*>(b.data_ptr()), static_cast<const __half*>(bt.data_ptr()),
+                     out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(A.scalar_type() == at::kBFloat16);
+    cuda_emu::launch(mma_kernel<__nv_bfloat16>, dim3(1), dim3(32), 0,
+                     static_cast<const __nv_bfloat16*>(a.data_ptr()), static_cast<const __nv_bfloat16*>(b.data_ptr()),
+                     static_cast<const __nv_bfloat16*>(bt.data_ptr()), out.data_ptr<float>());
+  }
+  return out;
+}
+
 at::Tensor warp_ops(const at::Tensor& in) {
   TORCH_CHECK(in.scalar_type() == at::kInt && in.dim() == 1 && in.is_contiguous());
   const int n = int(in.numel());
@@ -103,4 +145,5 @@ TORCH_LIBRARY(paged_cuda_emu_selftest, m) {
   m.def("warp_ops(Tensor input) -> Tensor", &warp_ops);
   m.def("atomics(int blocks, int threads) -> float[]", &atomics);
   m.def("misuse(str what) -> ()", &misuse);
+  m.def("mma(Tensor A, Tensor B) -> Tensor", &mma);
 }

@@ -148,6 +148,8 @@ struct Fiber {
   FiberState state = FiberState::Runnable;
 };
 
+constexpr size_t kMaxGatherBytes = 64;
+
 struct Warp {
   unsigned expected = 0;  // mask of lanes taking part in the current exchange
   unsigned arrived = 0;
@@ -155,6 +157,7 @@ struct Warp {
   unsigned done = 0;      // lanes that have exited
   int phase = 0;
   uint64_t buf[2][32];
+  unsigned char big[2][32][kMaxGatherBytes];  // warp_allgather payloads (tensor-core fragments)
 };
 
 constexpr size_t kStackSize = 256 * 1024;
@@ -322,9 +325,13 @@ inline void run_block(BlockRun& b) {
   w.block = nullptr;
 }
 
-// A warp-wide exchange: every lane of `mask` deposits `v`, waits for the others and returns the
-// slot array of this exchange.
-inline const uint64_t* warp_exchange(unsigned mask, uint64_t v) {
+// A warp-wide barrier over the lanes of `mask` (those that exist). Before arriving, each lane
+// deposits its payload into the slot of the current phase through `deposit(phase, lane)`; the
+// phase is returned so that the lane reads the other lanes' payloads of this very exchange. Two
+// phases suffice: a lane can only deposit into a phase again after every lane has passed the
+// intermediate exchange, i.e. after everybody finished reading it.
+template <class Deposit>
+inline int warp_barrier(unsigned mask, Deposit&& deposit) {
   BlockRun& b = blk();
   Fiber& f = cur();
   Warp& wp = b.warps[f.linear / 32];
@@ -339,7 +346,7 @@ inline const uint64_t* warp_exchange(unsigned mask, uint64_t v) {
     fail("lanes of a warp disagree on the mask of a shuffle/vote/__syncwarp");
   }
   const int phase = wp.phase;
-  wp.buf[phase][lane] = v;
+  deposit(phase, lane);
   wp.arrived |= bit;
   if (wp.arrived == wp.expected) {
     wp.arrived = 0;
@@ -351,6 +358,13 @@ inline const uint64_t* warp_exchange(unsigned mask, uint64_t v) {
     f.state = FiberState::WaitWarp;
     yield();
   }
+  return phase;
+}
+
+// Every lane of `mask` deposits `v` and gets the 32 slots of this exchange.
+inline const uint64_t* warp_exchange(unsigned mask, uint64_t v) {
+  Warp& wp = blk().warps[cur().linear / 32];
+  const int phase = warp_barrier(mask, [&](int ph, unsigned lane) { wp.buf[ph][lane] = v; });
   return wp.buf[phase];
 }
 
@@ -472,6 +486,18 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&
   }
   if (first_error) std::rethrow_exception(first_error);
 }
+
+// Warp-collective helper for emulating warp-wide instructions (mma.sync): every lane of `mask`
+// contributes `bytes` (<= 64) bytes; returns a pointer to 32 consecutive 64-byte slots, slot l
+// holding lane l's contribution, valid until this lane's next-but-one warp exchange.
+inline const unsigned char* warp_allgather(unsigned mask, const void* mine, size_t bytes) {
+  if (bytes > detail::kMaxGatherBytes) throw Error("cuda_emu: warp_allgather payload over 64 bytes");
+  detail::Warp& wp = detail::blk().warps[detail::cur().linear / 32];
+  const int phase =
+      detail::warp_barrier(mask, [&](int ph, unsigned lane) { std::memcpy(wp.big[ph][lane], mine, bytes); });
+  return &wp.big[phase][0][0];
+}
+inline unsigned lane_id() { return detail::cur().linear % 32; }
 
 // Dynamic shared memory of the running block, checked against what the launch asked for.
 template <typename T>
