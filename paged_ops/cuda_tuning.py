@@ -27,8 +27,9 @@ CACHE_PATH = Path(os.environ.get("PAGED_OPS_CACHE_DIR", Path.home() / ".cache" /
 
 # threads per block x split-KV partition size (tokens); partition -1 = one-pass kernel only.
 DECODE_CANDIDATES = [dict(threads=t, partition=p) for t in (64, 128, 256) for p in (256, 512, 1024, -1)]
-# threads per block (rows per block = threads / 8) x KV tokens per shared-memory tile.
-PREFILL_CANDIDATES = [dict(threads=t, kv_tile=k) for t in (64, 128, 256) for k in (16, 32, 64)]
+# The tensor-core kernel (fixed 128 threads, 64 x 32 tiles; fp16/bf16 only), then the CUDA-core
+# kernel's threads per block (rows per block = threads / 8) x KV tokens per shared-memory tile.
+PREFILL_CANDIDATES = [dict(tc=1)] + [dict(tc=-1, threads=t, kv_tile=k) for t in (64, 128, 256) for k in (16, 32, 64)]
 
 
 def _ops():
@@ -77,8 +78,9 @@ def _tune(key: str, candidates: list[dict], run, reps: int) -> dict:
     if not timings:
         raise RuntimeError(f"cuda_tuning: no candidate ran for {key}")
     ms, best = min(timings.values(), key=lambda x: x[0])
-    full = dict(threads=best.get("threads", 0), partition=best.get("partition", 0), kv_tile=best.get("kv_tile", 0))
-    _ops().set_tuned_config(key, full["threads"], full["partition"], full["kv_tile"])
+    full = dict(threads=best.get("threads", 0), partition=best.get("partition", 0), kv_tile=best.get("kv_tile", 0),
+                tc=best.get("tc", 0))
+    _ops().set_tuned_config(key, full["threads"], full["partition"], full["kv_tile"], full["tc"])
     _save(key, full, ms)
     return full
 
@@ -106,7 +108,7 @@ def load() -> int:
     data = _load_file()
     for key, cfg in data.items():
         _ops().set_tuned_config(key, int(cfg.get("threads", 0)), int(cfg.get("partition", 0)),
-                                int(cfg.get("kv_tile", 0)))
+                                int(cfg.get("kv_tile", 0)), int(cfg.get("tc", 0)))
     return len(data)
 
 
@@ -119,8 +121,8 @@ def prefill_key(query, key_cache, block_tables, max_seqlen_q: int) -> str:
 
 
 def _lookup(key: str) -> dict | None:
-    threads, partition, kv_tile, tuned = _ops().tuned_config(key)
-    return dict(threads=threads, partition=partition, kv_tile=kv_tile) if tuned else None
+    threads, partition, kv_tile, tc, tuned = _ops().tuned_config(key)
+    return dict(threads=threads, partition=partition, kv_tile=kv_tile, tc=tc) if tuned else None
 
 
 def tuned_config_for_decode(query, key_cache, block_tables) -> dict | None:

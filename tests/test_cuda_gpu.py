@@ -81,8 +81,11 @@ PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2],
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("path", ["tc=1", "tc=-1"])
 @pytest.mark.parametrize("block_size,group,dtype,head_size,layout,causal", PREFILL_GRID)
-def test_prefill(device, block_size, group, dtype, head_size, layout, causal):
+def test_prefill(monkeypatch, device, path, block_size, group, dtype, head_size, layout, causal):
+    # Both kernels on the same cases: tensor cores (fp16/bf16; fp32 falls back) and CUDA cores.
+    monkeypatch.setenv("PAGED_CUDA_CONFIG", path)
     seq_lens = [1, 2 * block_size, 210, 90, 6]
     q_lens = [1, block_size, 50, 90, 0]
     case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
@@ -167,6 +170,20 @@ def test_swap_blocks(device, direction):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_prefill_tc_matches_cuda_cores(device, monkeypatch):
+    # The two prefill kernels agree closely with each other (not only each with the reference).
+    case = to_device(make_case([700, 300], q_lens=[500, 300], num_heads=32, num_kv_heads=8, head_size=128,
+                               block_size=16, dtype=torch.float16, seed=8), device)
+    outs = []
+    for path in ("tc=1", "tc=-1"):
+        monkeypatch.setenv("PAGED_CUDA_CONFIG", path)
+        out = nan_like(case.query)
+        gpu().prefill_attention(*case.prefill_args(out))
+        outs.append(out.double())
+    assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 1e-3
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_tuner_records_and_uses_config(device, tmp_path, monkeypatch):
     from paged_ops import cuda_tuning
     monkeypatch.setattr(cuda_tuning, "CACHE_PATH", tmp_path / "tuning.json")
@@ -177,6 +194,10 @@ def test_tuner_records_and_uses_config(device, tmp_path, monkeypatch):
     assert cuda_tuning.tuned_config_for_decode(case.query, case.key_cache, case.block_tables) == cfg
     assert (tmp_path / "tuning.json").exists()
     check_decode(case)  # the tuned configuration is the one in use now
+    pcfg = cuda_tuning.tune_prefill(*case.prefill_args(nan_like(case.query)), reps=3)
+    assert cuda_tuning.tuned_config_for_prefill(case.query, case.key_cache, case.block_tables,
+                                                case.max_seqlen_q) == pcfg
+    check_prefill(case)
 
 
 if not DEVICES:

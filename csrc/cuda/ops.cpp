@@ -102,7 +102,7 @@ TORCH_LIBRARY(paged_cuda, m) {
   // tuned config for a key, and reading back what a key resolves to.
   m.def("tuning_key(Tensor query, Tensor key_cache, Tensor block_tables, int max_seqlen_q, bool decode) -> str",
         &paged_cuda::tuning::key_for_tensors);
-  m.def("set_tuned_config(str key, int threads, int partition_size, int kv_tile) -> ()",
+  m.def("set_tuned_config(str key, int threads, int partition_size, int kv_tile, int tensor_cores=0) -> ()",
         &paged_cuda::tuning::set_config);
   m.def("tuned_config(str key) -> int[]", &paged_cuda::tuning::get_config);
 }

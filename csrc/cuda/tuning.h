@@ -54,23 +54,26 @@ inline LaunchConfig lookup(const std::string& key) {
   return it == r.configs.end() ? LaunchConfig{} : it->second;
 }
 
-inline void set_config(const std::string& key, int64_t threads, int64_t partition_size, int64_t kv_tile) {
+inline void set_config(const std::string& key, int64_t threads, int64_t partition_size, int64_t kv_tile,
+                       int64_t tensor_cores) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   LaunchConfig c;
   c.threads = int(threads);
   c.partition_size = int(partition_size);
   c.kv_tile = int(kv_tile);
+  c.tensor_cores = int(tensor_cores);
   r.configs[key] = c;
 }
 
-// [threads, partition_size, kv_tile, tuned (1) or default (0)]
+// [threads, partition_size, kv_tile, tensor_cores, tuned (1) or default (0)]
 inline std::vector<int64_t> get_config(const std::string& key) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.configs.find(key);
-  if (it == r.configs.end()) return {0, 0, 0, 0};
-  return {it->second.threads, it->second.partition_size, it->second.kv_tile, 1};
+  if (it == r.configs.end()) return {0, 0, 0, 0, 0};
+  const LaunchConfig& c = it->second;
+  return {c.threads, c.partition_size, c.kv_tile, c.tensor_cores, 1};
 }
 
 
