@@ -265,6 +265,8 @@ PREFILL_CASES = [
     (BF16, E4M3, 16, 1, 2, 256, "HND", [40, 3], [40, 3], True, "head"),
     (F32, F32, 1, 2, 1, 8, "HND", [7, 20], [7, 4], True, None),
     (F16, E5M2, 3, 1, 7, 16, "NHD", [10, 1], [10, 1], False, "head"),
+    # many sequences: the flat query-tile grid's binary search, empty and 1-token queries
+    (F16, F16, 3, 2, 2, 64, "NHD", [9, 4, 30, 1, 17, 8, 40], [9, 0, 1, 1, 17, 3, 0], True, None),
 ]
 
 
@@ -491,6 +493,20 @@ def test_last_config_reports_the_config_used():
     else:
         assert info["source"] in ("tuned", "cache", "memo", "default")
     assert_close(args[0], ref, F16)
+    # Asking beforehand gives the same config, plus the split count the heuristic picks.
+    predicted = triton_backend.config_for("decode_attention", *args)
+    assert {k: v for k, v in predicted.items() if k != "num_splits"} == info["config"]
+    max_len = decode.max_len_bound(case.block_tables, 16)
+    assert predicted["num_splits"] == decode.partition_for(max_len, decode.choose_num_splits(
+        2, 2, max_len, info["config"]["BLOCK_N"], decode.num_sms(args[1].device)), info["config"]["BLOCK_N"])[1]
+
+    q = case.query(5, 4)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    pargs = (poison_(torch.empty_like(q)), q, case.key_cache, case.value_cache, case.block_tables, cu,
+             case.seq_lens, 3, case.scale, True, None, None)
+    predicted = triton_backend.config_for("prefill_attention", *pargs)
+    triton_backend.prefill_attention(*pargs)
+    assert triton_backend.last_config("prefill_attention")["config"] == predicted
 
 
 _TUNE_SCRIPT = textwrap.dedent("""

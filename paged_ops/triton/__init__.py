@@ -43,6 +43,14 @@ except ImportError as e:  # triton missing or too old: the router sees is_availa
     _IMPORT_ERROR = e
 
 
+def config_for(op: str, *args) -> dict:
+    """The kernel config ``op`` would use for these op arguments (tuned and stored, else the
+    default), without running it: ``config_for("decode_attention", out, query, ...)``.
+    ``last_config(op)`` reports what the latest call actually used."""
+    from . import decode, prefill
+    return {"decode_attention": decode.config_for, "prefill_attention": prefill.config_for}[op](*args)
+
+
 def is_available() -> bool:
     """Kernels importable (triton present), and a CUDA device or the interpreter to run them on."""
     if _IMPORT_ERROR is not None:
@@ -50,5 +58,5 @@ def is_available() -> bool:
     import torch
     return torch.cuda.is_available() or "cpu" in DEVICES
 
-__all__ = ["DEVICES", "is_available", "last_config", "reshape_and_cache", "decode_attention",
+__all__ = ["DEVICES", "is_available", "last_config", "config_for", "reshape_and_cache", "decode_attention",
            "prefill_attention", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks"]

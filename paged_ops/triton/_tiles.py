@@ -27,18 +27,26 @@ def fp8_bits_to_float(x, FP8_FORMAT: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, table_row_ptr, pos, valid, kv_head, dims, dim_mask,
-                 stride_b, stride_t, stride_h, KV_BLOCK_SIZE: tl.constexpr,
-                 FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
-    """Gather the K or V rows of token positions ``pos`` through the block table.
+def locate_tokens(table_row_ptr, pos, valid, KV_BLOCK_SIZE: tl.constexpr):
+    """(block id, offset in block) of token positions ``pos`` [BLOCK_N], via the block table.
 
-    pos, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD] -> tile [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
-    Per-token lookup, so any block size works (1, 3, 256...); it is a constexpr so that
-    the division is a shift for powers of two. Invalid rows load 0 and never
-    touch memory: unused slots may hold NaN and table entries past seq_len may be garbage.
+    Per-token lookup, so any block size works (1, 3, 256...); KV_BLOCK_SIZE is a constexpr so
+    the division is a shift for powers of two. Entries past seq_len may be garbage: invalid
+    positions read no table entry and get block 0 (their K/V loads are masked anyway).
     """
     block_ids = tl.load(table_row_ptr + pos // KV_BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    rows = block_ids * stride_b + (pos % KV_BLOCK_SIZE).to(tl.int64) * stride_t + kv_head * stride_h
+    return block_ids, (pos % KV_BLOCK_SIZE).to(tl.int64)
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                 stride_b, stride_t, stride_h, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """K or V rows of the located tokens: [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
+
+    block_ids, offsets, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD]. Invalid rows and padded
+    columns load 0 without touching memory: unused cache slots may hold NaN.
+    """
+    rows = block_ids * stride_b + offsets * stride_t + kv_head * stride_h
     tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
                    mask=valid[:, None] & dim_mask[None, :], other=0)
     if FP8_FORMAT != FP8_NONE:

@@ -17,7 +17,7 @@ import triton.language as tl
 from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, kv_view, next_pow2, num_sms, scale_arg, tl_dtype)
-from ._tiles import load_kv_tile, load_scale, online_softmax_step
+from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step
 
 _LOG2E = 1.4426950408889634
 
@@ -64,10 +64,11 @@ def _decode_kernel(
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
-        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
-                         stride_kb, stride_kt, stride_kh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
-        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
-                         stride_vb, stride_vt, stride_vh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
+        block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
+        k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
+        v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                             COMPUTE_DTYPE, DOT_PRECISION)
 
@@ -184,6 +185,20 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     config = autotune.TUNERS["decode_attention"].choose(
         device_name(query.device), key, default_config(head_size, dtype), _candidates(head_size, dtype), bench)
     run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config)
+
+
+def config_for(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+               k_scale=None, v_scale=None) -> dict:
+    """The config a decode_attention call with these arguments would use, plus its split
+    count (``num_splits``); runs and benchmarks nothing."""
+    head_size, dtype = query.shape[2], query.dtype
+    config = autotune.TUNERS["decode_attention"].lookup(
+        device_name(query.device), tuning_key(query, key_cache, block_tables)) or default_config(head_size, dtype)
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    max_len = max_len_bound(block_tables, block_size)
+    splits = choose_num_splits(query.shape[0], num_kv_heads, max_len, config["BLOCK_N"],
+                               num_sms(query.device), config.get("split_scale", 1.0))
+    return dict(config, num_splits=partition_for(max_len, splits, config["BLOCK_N"])[1])
 
 
 def run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,

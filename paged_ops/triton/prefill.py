@@ -1,10 +1,15 @@
 """Paged varlen prefill attention (flash-attention tiling over the block table).
 
-Grid: (seq, q_tile, kv_head). Like decode, a program handles one KV head's whole query group:
+Grid: (query tile, kv_head). Like decode, a program handles one KV head's whole query group:
 its M rows are (query token, head-in-group) pairs, row r = token r // group, head r % group,
 so each K/V tile is gathered once per group, and q_len = 1 rows (decode tokens mixed into a
-prefill batch) still fill the M dimension. The query tile of BLOCK_Q = BLOCK_M // group tokens
-covers query positions [q_tile * BLOCK_Q, ...) of the sequence.
+prefill batch) still fill the M dimension. A query tile holds BLOCK_Q = BLOCK_M // group tokens.
+
+Query tiles of all sequences are numbered in one flat grid axis without a host sync (as vLLM's
+unified attention does): sequence s owns tiles [cu[s] // BLOCK_Q + s, cu[s+1] // BLOCK_Q + s + 1),
+at least cdiv(q_len, BLOCK_Q) of them, so the grid is total_q // BLOCK_Q + num_seqs programs and a
+batch of one long prompt plus many decode rows does not launch long-prompt-many tiles per row.
+Each program finds its sequence by binary search over cu_seqlens_q.
 
 Causal masking is bottom-right aligned (query i sees KV 0 .. ctx + i with ctx = seq_len - q_len,
 i.e. the cached context of chunked prefill); KV tiles past the tile's last visible position
@@ -19,16 +24,30 @@ import triton.language as tl
 from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, kv_view, next_pow2, scale_arg, tl_dtype)
-from ._tiles import load_kv_tile, load_scale, online_softmax_step
+from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step
 
 _LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """The sequence owning flat query tile ``tile``: the last s with cu[s] // BLOCK_Q + s <= tile."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @triton.jit
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr,
-        qk_scale_log2, block_q,
+        qk_scale_log2, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
@@ -36,20 +55,23 @@ def _prefill_kernel(
         FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
-    seq = tl.program_id(0).to(tl.int64)
-    q_tile_start = tl.program_id(1) * block_q
-    kv_head = tl.program_id(2)
+    BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_SIZE
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_begin
-    if q_tile_start >= q_len:  # the grid is sized for the longest query of the batch
+    q_tile_start = (tile - (q_begin // BLOCK_Q + seq)) * BLOCK_Q
+    if q_tile_start >= q_len:  # a sequence's spare tile (its tile count is an upper bound)
         return
+    seq = seq.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # tokens cached before this chunk
 
     rows = tl.arange(0, BLOCK_M)
     q_pos = q_tile_start + rows // GROUP_SIZE  # position within this sequence's queries
     heads = kv_head * GROUP_SIZE + rows % GROUP_SIZE
-    row_mask = (rows < block_q * GROUP_SIZE) & (q_pos < q_len)
+    row_mask = (rows < BLOCK_Q * GROUP_SIZE) & (q_pos < q_len)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE  # compile-time constancy: lets Triton vectorize row loads
     io_mask = row_mask[:, None] & dim_mask[None, :]
@@ -62,7 +84,7 @@ def _prefill_kernel(
 
     if CAUSAL:
         # The tile's last query sees up to context + last_q: later KV tiles are fully masked.
-        kv_end = tl.minimum(seq_len, context + tl.minimum(q_tile_start + block_q, q_len))
+        kv_end = tl.minimum(seq_len, context + tl.minimum(q_tile_start + BLOCK_Q, q_len))
     else:
         kv_end = seq_len
 
@@ -75,10 +97,11 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
-        k = load_kv_tile(k_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
-                         stride_kb, stride_kt, stride_kh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
-        v = load_kv_tile(v_cache_ptr, table_row, pos, valid, kv_head, dims, dim_mask,
-                         stride_vb, stride_vt, stride_vh, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE)
+        block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
+        k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
+        v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= context + q_pos[:, None])
@@ -156,6 +179,14 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
                 max_seqlen_q, scale, causal, k_scale, v_scale, config)
 
 
+def config_for(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+               max_seqlen_q, scale, causal, k_scale=None, v_scale=None) -> dict:
+    """The config a prefill_attention call with these arguments would use; runs nothing."""
+    key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal)
+    return dict(autotune.TUNERS["prefill_attention"].lookup(device_name(query.device), key)
+                or default_config(query.shape[2], query.dtype))
+
+
 def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_seqlen_q, scale, causal, k_scale, v_scale, config: dict) -> None:
     """Launch with an explicit config."""
@@ -164,18 +195,18 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads
     block_m = max(config["BLOCK_M"], next_pow2(group_size))
-    block_q = block_m // group_size
     if max_seqlen_q <= 0:
         return
     k_scale_t, k_per_head = scale_arg(k_scale, query)
     v_scale_t, v_per_head = scale_arg(v_scale, query)
     cdtype = compute_dtype(query.dtype)
-    grid = (num_seqs, triton.cdiv(int(max_seqlen_q), block_q), num_kv_heads)
+    # Flat query-tile axis (see the module docstring): an upper bound that needs no host sync.
+    grid = (query.shape[0] // (block_m // group_size) + num_seqs, num_kv_heads)
     with device_guard(query):
         _prefill_kernel[grid](
             out, query, kv_view(key_cache), kv_view(value_cache), block_tables, cu_seqlens_q, seq_lens,
             k_scale_t, v_scale_t,
-            scale * _LOG2E, block_q,
+            scale * _LOG2E, num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
