@@ -21,6 +21,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -285,6 +287,39 @@ def test_prefill_attention(dtype, cache_dtype, block_size, num_kv_heads, group, 
     backend().prefill_attention(out, q, case.key_cache, case.value_cache, case.block_tables, cu,
                                 case.seq_lens, max(q_lens), case.scale, causal, case.k_scale, case.v_scale)
     assert_close(out, ref, dtype)
+
+
+# PAGED_OPS_HYPOTHESIS_EXAMPLES=200 for a longer hunt (12 keep the file fast under the interpreter).
+@settings(max_examples=int(os.environ.get("PAGED_OPS_HYPOTHESIS_EXAMPLES", 12)), deadline=None,
+          derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_shapes_decode_and_prefill(data):
+    # Property test over the same axes as the grids above, combined at random: both kernels
+    # against the reference on one random batch (seeded by hypothesis, reproducible).
+    dtype = data.draw(st.sampled_from([F32, F16, BF16]), "dtype")
+    cache_dtype = data.draw(st.sampled_from([dtype, E4M3, E5M2]), "cache_dtype")
+    block_size = data.draw(st.sampled_from([1, 2, 3, 5, 16, 32]), "block_size")
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 7, 8]), "group")
+    head_size = data.draw(st.sampled_from([8, 24, 64, 80, 96, 128]), "head_size")
+    seq_lens = data.draw(st.lists(st.integers(1, 48), min_size=1, max_size=4), "seq_lens")
+    q_lens = [data.draw(st.integers(0, n), "q_len") for n in seq_lens]
+    case = Paged(dtype=dtype, cache_dtype=cache_dtype, block_size=block_size, num_kv_heads=2,
+                 head_size=head_size, seq_lens=seq_lens, layout=data.draw(st.sampled_from(["NHD", "HND"])),
+                 scale_mode=data.draw(st.sampled_from(["tensor", "head"])), seed=data.draw(st.integers(0, 99)))
+    args, ref = decode_inputs(case, group)
+    triton_backend.decode_attention(*args)
+    assert_close(args[0], ref, dtype)
+    if sum(q_lens) == 0:
+        return
+    causal = data.draw(st.booleans(), "causal")
+    q = case.query(sum(q_lens), 2 * group)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    pargs = [poison_(torch.empty_like(q)), q, case.key_cache, case.value_cache, case.block_tables, cu,
+             case.seq_lens, max(q_lens), case.scale, causal, case.k_scale, case.v_scale]
+    pref = torch.empty(q.shape, dtype=torch.float64, device=DEVICE)
+    reference.prefill_attention(pref, q.double(), *pargs[2:])
+    triton_backend.prefill_attention(*pargs)
+    assert_close(pargs[0], pref, dtype)
 
 
 def test_prefill_small_tiles_cross_many_kv_tiles():
