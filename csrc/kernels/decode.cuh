@@ -44,11 +44,12 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
                                                       float* tmp_out, float* tmp_ml, int n_gtiles,
                                                       bool k_aligned, bool v_aligned) {
   const int group = p.num_heads / p.num_kv_heads;
-  const int kvh = blockIdx.x / n_gtiles;
-  const int g0 = (blockIdx.x % n_gtiles) * kGroupTile;
+  // Sequences on x (up to 2^31 - 1; y/z stop at 65535), (KV head, group tile) on y, partitions on z.
+  const int kvh = blockIdx.y / n_gtiles;
+  const int g0 = (blockIdx.y % n_gtiles) * kGroupTile;
   const int gcount = min(kGroupTile, group - g0);
   const int gmax = min(kGroupTile, group);  // the smem layout's stride, same for every block
-  const int seq = blockIdx.y;
+  const int seq = blockIdx.x;
   const int part = blockIdx.z;
   const int seq_len = p.seq_lens[seq];
   const int start = num_partitions > 1 ? part * partition_size : 0;
@@ -91,18 +92,26 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 
   // Every lane runs the same number of iterations (the bound is block-uniform) so the shuffles
   // below always see the full warp; tokens past `end` just contribute nothing.
-  for (int base = start; base < end; base += ntg) {
-    const int t = base + tg;
-    const bool valid = t < end;
-    int64_t blk = 0, off = 0;
-    float k[8];
+  // K/V of this token group's next token are loaded one iteration ahead (register double
+  // buffering): a warp keeps two tokens' 16-byte loads in flight while it computes, which is what
+  // hides memory latency at the low occupancy the per-lane accumulators allow.
+  float kn[8], vn[8];
+  auto fetch = [&](int t) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) k[i] = 0.f;
-    if (valid) {
-      blk = bt[t / p.block_size];
-      off = t % p.block_size;
-      if (active) load8(kc + blk * p.k_stride_block + off * p.k_stride_tok, k, k_aligned, kscale);
+    for (int i = 0; i < 8; ++i) kn[i] = vn[i] = 0.f;
+    if (t < end && active) {  // only tokens < seq_len: slots past it may hold NaN
+      const int64_t blk = bt[t / p.block_size], off = t % p.block_size;
+      load8(kc + blk * p.k_stride_block + off * p.k_stride_tok, kn, k_aligned, kscale);
+      load8(vc + blk * p.v_stride_block + off * p.v_stride_tok, vn, v_aligned, vscale);
     }
+  };
+  fetch(start + tg);
+  for (int base = start; base < end; base += ntg) {
+    const bool valid = base + tg < end;
+    float k[8], v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) k[i] = kn[i], v[i] = vn[i];
+    fetch(base + ntg + tg);
     float s[kGroupTile];
 #pragma unroll
     for (int g = 0; g < kGroupTile; ++g) {
@@ -116,10 +125,6 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
       }
     }
     if (valid) {
-      float v[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = 0.f;
-      if (active) load8(vc + blk * p.v_stride_block + off * p.v_stride_tok, v, v_aligned, vscale);
 #pragma unroll
       for (int g = 0; g < kGroupTile; ++g) {
         if (g < gcount) {
@@ -183,7 +188,7 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                             const float* tmp_out, const float* tmp_ml) {
-  const int head = blockIdx.x, seq = blockIdx.y;
+  const int seq = blockIdx.x, head = blockIdx.y;
   const int D = p.head_size;
   const int nparts = ceil_div(p.seq_lens[seq], partition_size);  // only these were written
   const size_t row0 = (size_t(seq) * p.num_heads + head) * num_partitions;
@@ -216,6 +221,8 @@ constexpr int kMaxPartitions = 8192;  // keeps the reduce kernel's weights in 32
 inline Plan plan(const AttentionParams& p, const LaunchConfig& cfg) {
   Plan pl{};
   pl.threads = cfg.threads > 0 ? cfg.threads : kDefaultThreads;
+  if (pl.threads % 32 || pl.threads > 256)
+    throw std::runtime_error("paged_cuda: decode threads per block must be 32, 64, ..., 256");
   pl.tpt = lanes_per_token(p.head_size);
   const int group = p.num_heads / p.num_kv_heads;
   pl.gtile = group_tile(group);
@@ -228,8 +235,14 @@ inline Plan plan(const AttentionParams& p, const LaunchConfig& cfg) {
   int part = cfg.partition_size > 0 ? cfg.partition_size : kDefaultPartition;
   part = int(std::max<int64_t>(part, (max_ctx + kMaxPartitions - 1) / kMaxPartitions));
   const int64_t blocks = int64_t(p.num_seqs) * p.num_kv_heads * pl.n_gtiles;
-  const bool split = cfg.partition_size >= 0 && max_ctx > part &&
-                     (cfg.force_split || blocks < 2 * int64_t(std::max(p.num_sms, 1)));
+  const int64_t sms = std::max(p.num_sms, 1);
+  const bool split = cfg.partition_size >= 0 && max_ctx > part && (cfg.force_split || blocks < 2 * sms);
+  if (split && !cfg.force_split) {
+    // Enough partitions to give every SM ~4 blocks, no more: longer contexts get longer partitions
+    // instead, which bounds the float32 workspace (num_seqs x heads x partitions x head_size).
+    const int64_t max_parts = std::max<int64_t>(2, (4 * sms + blocks - 1) / blocks);
+    part = int(std::max<int64_t>(part, (max_ctx + max_parts - 1) / max_parts));
+  }
   pl.partition_size = part;
   pl.num_partitions = split ? int((max_ctx + part - 1) / part) : 1;
   pl.reduce_smem = size_t(pl.num_partitions) * sizeof(float);
@@ -248,7 +261,7 @@ inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* wor
       using KV = typename decltype(kt)::type;
       const bool ka = chunk_aligned<KV>(p.key_cache, {p.k_stride_block, p.k_stride_tok, p.k_stride_head});
       const bool va = chunk_aligned<KV>(p.value_cache, {p.v_stride_block, p.v_stride_tok, p.v_stride_head});
-      const dim3 grid(p.num_kv_heads * pl.n_gtiles, p.num_seqs, pl.num_partitions);
+      const dim3 grid(p.num_seqs, p.num_kv_heads * pl.n_gtiles, pl.num_partitions);
       auto run = [&](auto kernel) {
         PAGED_ALLOW_SMEM(kernel, pl.smem);
         PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.partition_size, pl.num_partitions,
@@ -270,7 +283,7 @@ inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* wor
     });
     if (pl.num_partitions > 1) {
       auto kernel = decode_reduce_kernel<T>;
-      PAGED_LAUNCH(kernel, dim3(p.num_heads, p.num_seqs), dim3(128), pl.reduce_smem, stream, p, pl.partition_size,
+      PAGED_LAUNCH(kernel, dim3(p.num_seqs, p.num_heads), dim3(128), pl.reduce_smem, stream, p, pl.partition_size,
                    pl.num_partitions, static_cast<const float*>(tmp_out), static_cast<const float*>(tmp_ml));
       PAGED_CHECK_LAUNCH("decode_reduce_kernel");
     }
