@@ -1,0 +1,216 @@
+"""Shared pieces of the measurement suite: machine identity, the results file, peaks, plots, tables.
+
+Everything here is a small pure function (or a thin writer) so the benchmarks and the smoke test
+call the same code. Numbers are only ever compared with a peak measured in the same process:
+the development machine is shared, so absolute numbers drift between runs, ratios much less.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import re
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+RESULTS_DIR = Path(os.environ.get("PAGED_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+
+# Backends that run the kernels on this machine but are correctness tools, never timed:
+# the CUDA emulator runs CUDA kernels on fibers on the CPU, the Triton interpreter runs
+# Triton kernels in numpy.
+CORRECTNESS_ONLY = {
+    "cuda_emu": "CUDA emulator on CPU (correctness only)",
+    "triton-interpreter": "TRITON_INTERPRET=1 runs kernels in numpy (correctness only)",
+}
+
+STREAM_NOTE = ("copy bandwidth = (bytes read + bytes written) / time of a large dst.copy_(src), "
+               "the STREAM 'Copy' convention")
+
+
+# ---------------------------------------------------------------- machine identity
+
+def cpu_name() -> str:
+    """Model name of the CPU from /proc/cpuinfo (platform.processor() is often empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name() -> str:
+    """The GPU's name where one is visible, else the CPU's."""
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu_name()
+
+
+def slug(text: str) -> str:
+    """Lower-case, dash-separated, filesystem-safe."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def machine_id() -> str:
+    """hostname + device name, e.g. 'vm-amd-epyc' or 'node1-nvidia-h200'."""
+    return f"{slug(socket.gethostname().split('.')[0])}-{slug(device_name())}"
+
+
+def today() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def results_path(suffix: str = ".json") -> Path:
+    """bench/results/<machine>-<date><suffix> (the directory overridable by PAGED_BENCH_RESULTS)."""
+    return RESULTS_DIR / f"{machine_id()}-{today()}{suffix}"
+
+
+def machine_info() -> dict:
+    """What a reader needs to reproduce or discount a number."""
+    info = {"machine": machine_id(), "hostname": socket.gethostname(), "cpu": cpu_name(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "llc_bytes": last_level_cache_bytes("cpu")}
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info |= {"gpu": p.name, "gpu_memory_bytes": p.total_memory, "gpu_l2_bytes": last_level_cache_bytes("cuda")}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def last_level_cache_bytes(device: str) -> int:
+    """Size of the cache the rotating inputs must overflow: the GPU's L2, or the CPU's largest
+    cache level in sysfs (32 MiB if sysfs says nothing: a conservative modern L3)."""
+    if device == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 64 << 20))
+    sizes = []
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        m = re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip())
+        if m:
+            sizes.append(int(m[1]) << {"": 0, "K": 10, "M": 20, "G": 30}[m[2]])
+    return max(sizes, default=32 << 20)
+
+
+# ---------------------------------------------------------------- timing helpers
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def rotation_count(set_bytes: int, device: str, min_sets: int = 2, max_sets: int = 64,
+                   budget_bytes: int | None = None) -> int:
+    """How many input sets to cycle so that together they are >= 2x the last-level cache (a set
+    is then evicted before it comes round again), within a memory budget."""
+    need = math.ceil(2 * last_level_cache_bytes(device) / max(set_bytes, 1))
+    n = max(min_sets, min(max_sets, need))
+    if budget_bytes:
+        n = max(1, min(n, budget_bytes // max(set_bytes, 1)))
+    return n
+
+
+def cycling(items: list) -> Callable[[], object]:
+    """A zero-argument function returning the items round-robin (the rotating inputs)."""
+    state = {"i": -1}
+
+    def nxt():
+        state["i"] = (state["i"] + 1) % len(items)
+        return items[state["i"]]
+    return nxt
+
+
+def median_time(fn: Callable[[], None], device: str, rounds: int, warmup: int = 2) -> float:
+    """Median seconds of fn() over rounds (after warmup). Used only where pytest-benchmark's
+    fixture is not at hand (device_check's reference timings reuse the fixture; this is for
+    the engine bench's tiny sub-measurements)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- results file
+
+def load_results(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def save_section(name: str, payload, path: Path | None = None) -> Path:
+    """Write one section (kernels / engine / kv_waste) into the day's results file, keeping the
+    sections of earlier runs the same day so each benchmark can be rerun alone."""
+    path = path or results_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = load_results(path)
+    data["machine_info"] = machine_info()
+    data[name] = payload
+    path.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- tables and plots
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        if math.isnan(v):
+            return "n/a"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "" if v is None else str(v)
+
+
+def table(rows: Iterable[dict], columns: list[str]) -> str:
+    """A plain-text table (fixed-width columns) of the given keys of rows."""
+    rows = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(columns)]
+    line = lambda cells: "  ".join(x.rjust(w) for x, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path) -> Path | None:
+    """Achieved GB/s against block size, one line per (op, backend) block sweep, the copy
+    bandwidth as a dashed line. Returns the PNG path (None if there was no sweep)."""
+    sweeps: dict[tuple, list] = {}
+    for r in records:
+        if r.get("sweep") == "block_size":
+            sweeps.setdefault((r["op"], r["backend"]), []).append((r["block_size"], r["gbps"]))
+    if not sweeps:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for (op, backend), pts in sorted(sweeps.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} [{backend}]")
+    if peak_gbps:
+        ax.axhline(peak_gbps, ls="--", color="gray", label=f"copy {peak_gbps:.1f} GB/s (read+write)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel("achieved GB/s")
+    ax.set_title(f"{machine_id()} {today()}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

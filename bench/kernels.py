@@ -1,0 +1,353 @@
+"""Kernel benchmark cases: which shapes are timed, how their inputs are built, what they move.
+
+A case is a frozen dataclass; ``cases(profile)`` lists them as one-factor sweeps around a base
+shape per op (block size, context length, batch, GQA group, dtype) rather than the full product,
+which would not fit the CPU budget (``make bench`` ~10 min on 2 cores). Inputs are built as
+several independent sets (caches, queries, block tables) cycled round by round, with enough of
+them to overflow the last-level cache, so a round never finds the previous round's data cached.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from typing import Callable
+
+import torch
+
+import paged_ops
+from paged_ops import backends as _backends
+from bench.common import CORRECTNESS_ONLY, last_level_cache_bytes, rotation_count
+
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One timed shape. For prefill, every sequence's whole context is the query (q_len = context).
+    For reshape_and_cache, num_seqs x context_len tokens are written; for copy/swap_blocks,
+    a quarter of the pool's blocks are copied; for (de)quantize, the same number of K rows."""
+    op: str
+    sweep: str              # the axis this case varies ("base" for the shared base shape)
+    block_size: int = 16
+    num_seqs: int = 16
+    context_len: int = 2048
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    cache_dtype: str | None = None  # an fp8 cache (None: same as dtype)
+    num_layers: int = 1             # copy_blocks only
+
+    @property
+    def id(self) -> str:
+        cd = f"-kv{self.cache_dtype}" if self.cache_dtype else ""
+        return (f"{self.op}-{self.sweep}-bs{self.block_size}-s{self.num_seqs}-L{self.context_len}"
+                f"-h{self.num_heads}/{self.num_kv_heads}-d{self.head_size}-{self.dtype}{cd}")
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def cache_torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.cache_dtype or self.dtype]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_seqs * self.context_len
+
+
+# ---------------------------------------------------------------- the case matrix
+
+def _sweeps(base: Case, block_sizes=BLOCK_SIZES, contexts=(), batches=(), kv_heads=(),
+            dtypes=()) -> list[Case]:
+    """The base shape plus one-factor variations of it (duplicates of the base dropped)."""
+    out = [replace(base, sweep="block_size", block_size=b) for b in block_sizes]
+    out += [replace(base, sweep="context", context_len=c) for c in contexts]
+    out += [replace(base, sweep="batch", num_seqs=s) for s in batches]
+    out += [replace(base, sweep="gqa", num_kv_heads=k) for k in kv_heads]
+    for d in dtypes:
+        out.append(replace(base, sweep="dtype", cache_dtype=d) if d.startswith("fp8")
+                   else replace(base, sweep="dtype", dtype=d))
+    seen, unique = set(), []
+    for c in out:
+        key = replace(c, sweep="")
+        if key not in seen or c.sweep == "block_size":
+            seen.add(key)
+            unique.append(c)
+    return unique
+
+
+def headline_case(profile: str) -> Case:
+    """The foundation issue's headline decode shape (CPU) / the device check's (GPU)."""
+    if profile == "gpu":
+        return Case("decode_attention", "base", num_seqs=32, context_len=8192)
+    if profile == "smoke":
+        return Case("decode_attention", "base", num_seqs=2, context_len=64, num_heads=4, num_kv_heads=2, head_size=32)
+    return Case("decode_attention", "base")  # 16 seqs x 2048 tokens, 32/8 heads, d128, bf16, block 16
+
+
+def cases(profile: str) -> list[Case]:
+    """Every timed case of a profile: 'cpu' (make bench here), 'gpu' (device_check.sh), 'smoke'."""
+    dec = headline_case(profile)
+    if profile == "smoke":
+        small = dict(num_heads=4, num_kv_heads=2, head_size=32, num_seqs=2, context_len=64)
+        bs = (1, 16)
+        return (_sweeps(dec, bs, contexts=(32,), batches=(1,), kv_heads=(4,), dtypes=("float32", "fp8_e4m3"))
+                + _sweeps(Case("prefill_attention", "base", **small), bs, dtypes=("float32",))
+                + _sweeps(Case("reshape_and_cache", "base", **small), bs, dtypes=("fp8_e4m3",))
+                + _sweeps(Case("copy_blocks", "base", num_layers=2, **small), bs)
+                + _sweeps(Case("swap_blocks", "base", **small), bs)
+                + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small)])
+    if profile == "gpu":
+        return (_sweeps(dec, contexts=(1024, 32768), batches=(1, 128), kv_heads=(32, 4), dtypes=("float16", "fp8_e4m3"))
+                + _sweeps(Case("prefill_attention", "base", num_seqs=8, context_len=2048), contexts=(512, 8192),
+                          kv_heads=(32,), dtypes=("float16",))
+                + _sweeps(Case("reshape_and_cache", "base", num_seqs=32, context_len=1024), dtypes=("fp8_e4m3",))
+                + _sweeps(Case("copy_blocks", "base", num_seqs=32, context_len=2048, num_layers=8))
+                + _sweeps(Case("swap_blocks", "base", num_seqs=32, context_len=2048))
+                + [Case(op, "dtype", num_seqs=32, context_len=1024, dtype=d)
+                   for op in ("quantize_fp8", "dequantize_fp8") for d in ("bfloat16", "float32")])
+    # cpu: sized for ~10 minutes of `make bench` on 2 shared cores
+    return (_sweeps(dec, contexts=(256, 1024, 4096), batches=(1, 4, 64), kv_heads=(32, 16, 4),
+                    dtypes=("float32", "float16", "fp8_e4m3"))
+            + _sweeps(Case("prefill_attention", "base", num_seqs=2, context_len=512), contexts=(128, 1024),
+                      kv_heads=(32,), dtypes=("float32",))
+            + _sweeps(Case("reshape_and_cache", "base", num_seqs=16, context_len=256), dtypes=("float32", "fp8_e4m3"))
+            + _sweeps(Case("copy_blocks", "base", num_seqs=16, context_len=1024, num_layers=4))
+            + _sweeps(Case("swap_blocks", "base", num_seqs=16, context_len=1024))
+            + [Case(op, "dtype", num_seqs=16, context_len=256, dtype=d)
+               for op in ("quantize_fp8", "dequantize_fp8") for d in ("bfloat16", "float32")])
+
+
+def default_profile() -> str:
+    return os.environ.get("PAGED_BENCH_PROFILE") or ("gpu" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------------------------------- backends
+
+def timed_backends() -> tuple[list[str], dict[str, str]]:
+    """(backends to time, {excluded name: why}). cuda_emu and the Triton interpreter run here but
+    are correctness tools: their times say nothing about the kernels."""
+    timed, excluded = [], {}
+    for name in paged_ops.available_backends():
+        if name == "cuda_emu":
+            excluded[name] = CORRECTNESS_ONLY["cuda_emu"]
+        elif name == "triton" and (os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()):
+            excluded[name] = CORRECTNESS_ONLY["triton-interpreter"]
+        else:
+            timed.append(name)
+    return timed, excluded
+
+
+def device_of(backend: str) -> str:
+    return "cpu" if backend == "cpu" else "cuda"
+
+
+def kernel(backend: str, op: str) -> Callable:
+    """The backend's op without the Python argument validation: on a GPU the validation costs
+    tens of microseconds, the size of a small kernel. Every case is validated once before timing
+    (validated_kernel), so the timed calls are known to be well-formed."""
+    return _backends._REGISTRY[backend].function(op)
+
+
+def validated_kernel(backend: str, op: str) -> Callable:
+    return getattr(paged_ops.backend(backend), op)
+
+
+# ---------------------------------------------------------------- inputs
+
+def _rand(shape, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
+    """Uniform(-1, 1) values in dtype (fp8 through a float cast); no NaN or denormal slow paths."""
+    if dtype.is_floating_point and dtype.itemsize >= 2:
+        return torch.empty(shape, dtype=dtype, device=device).uniform_(-1, 1, generator=gen)
+    return torch.empty(shape, dtype=torch.float16, device=device).uniform_(-1, 1, generator=gen).to(dtype)
+
+
+def _block_tables(case: Case, num_blocks: int, device: str, gen: torch.Generator) -> torch.Tensor:
+    """Each sequence's blocks drawn from a random permutation of the pool, as in a long-running
+    engine: consecutive blocks of a sequence are not adjacent in memory."""
+    per_seq = math.ceil(case.context_len / case.block_size)
+    perm = torch.randperm(num_blocks, generator=gen, device="cpu")[: case.num_seqs * per_seq]
+    return perm.to(torch.int32).view(case.num_seqs, per_seq).to(device)
+
+
+def _scale(case: Case, device: str):
+    return torch.ones(1, dtype=torch.float32, device=device) if case.cache_dtype else None
+
+
+def _gen(device: str, seed: int) -> torch.Generator:
+    return torch.Generator(device).manual_seed(seed)
+
+
+def _pool(case: Case, device: str, gen: torch.Generator, spare: float = 0.0):
+    per_seq = math.ceil(case.context_len / case.block_size)
+    num_blocks = math.ceil(case.num_seqs * per_seq * (1 + spare))
+    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    return _rand(shape, case.cache_torch_dtype, device, gen), _rand(shape, case.cache_torch_dtype, device, gen)
+
+
+def build_args(case: Case, device: str, seed: int) -> tuple:
+    """One input set: the op's positional arguments, freshly allocated."""
+    g = _gen(device, seed)
+    dt, c = case.torch_dtype, case
+    if c.op == "decode_attention":
+        kc, vc = _pool(c, device, g)
+        q = _rand((c.num_seqs, c.num_heads, c.head_size), dt, device, g)
+        seq_lens = torch.full((c.num_seqs,), c.context_len, dtype=torch.int32, device=device)
+        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, g), seq_lens,
+                c.head_size ** -0.5, _scale(c, device), _scale(c, device))
+    if c.op == "prefill_attention":
+        kc, vc = _pool(c, device, g)
+        q = _rand((c.num_tokens, c.num_heads, c.head_size), dt, device, g)
+        cu = torch.arange(c.num_seqs + 1, dtype=torch.int32, device=device) * c.context_len
+        seq_lens = torch.full((c.num_seqs,), c.context_len, dtype=torch.int32, device=device)
+        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, g), cu, seq_lens,
+                c.context_len, c.head_size ** -0.5, True, _scale(c, device), _scale(c, device))
+    if c.op == "reshape_and_cache":
+        kc, vc = _pool(c, device, g, spare=1.0)  # half the pool unused, as in a running engine
+        bt = _block_tables(c, kc.shape[0], device, g).long()
+        pos = torch.arange(c.context_len, device=device)
+        slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
+        k = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
+        return (k, torch.empty_like(k).copy_(k), kc, vc, slots, _scale(c, device), _scale(c, device))
+    if c.op == "copy_blocks":
+        layers = [_pool(c, device, g) for _ in range(c.num_layers)]
+        return ([k for k, _ in layers], [v for _, v in layers], _copy_mapping(layers[0][0].shape[0], seed).to(device))
+    if c.op == "swap_blocks":
+        src, _ = _pool(c, device, g)
+        dst = torch.empty_like(src)
+        return (src, dst, _copy_mapping(src.shape[0], seed))  # the contract wants the mapping on the CPU
+    if c.op in ("quantize_fp8", "dequantize_fp8"):
+        x = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
+        f8 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
+        scale = torch.ones(1, dtype=torch.float32, device=device)
+        return (f8, x, scale) if c.op == "quantize_fp8" else (x, f8.copy_(x), scale)
+    raise ValueError(c.op)
+
+
+def _copy_mapping(num_blocks: int, seed: int) -> torch.Tensor:
+    """(src, dst) pairs for a quarter of the pool: distinct random blocks, int64 on the CPU."""
+    n = max(1, num_blocks // 4)
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    dst = perm[n:2 * n] if 2 * n <= num_blocks else perm[:n]
+    return torch.stack([perm[:n], dst], 1)
+
+
+def set_bytes(args) -> int:
+    """Bytes of every tensor in one input set (to size the rotation)."""
+    total = 0
+    for a in args:
+        for t in (a if isinstance(a, list) else [a]):
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------- what each op moves / computes
+
+def bytes_moved(case: Case) -> int:
+    """Bytes the op must move: for attention the KV read (the roofline-relevant traffic), for the
+    cache ops everything read plus everything written."""
+    c = case
+    row = c.num_kv_heads * c.head_size  # elements of one token's K (or V)
+    cache_el = c.cache_torch_dtype.itemsize
+    el = c.torch_dtype.itemsize
+    if c.op in ("decode_attention", "prefill_attention"):
+        return 2 * c.num_tokens * row * cache_el
+    if c.op == "reshape_and_cache":
+        return 2 * c.num_tokens * row * (el + cache_el) + c.num_tokens * 8
+    if c.op in ("copy_blocks", "swap_blocks"):
+        per_seq = math.ceil(c.context_len / c.block_size)
+        n = max(1, c.num_seqs * per_seq // 4)
+        block = c.block_size * row * cache_el
+        tensors = 2 * c.num_layers if c.op == "copy_blocks" else 1
+        return 2 * n * block * tensors  # read + write
+    if c.op in ("quantize_fp8", "dequantize_fp8"):
+        return c.num_tokens * row * (el + 1)
+    raise ValueError(c.op)
+
+
+def flops(case: Case) -> int:
+    """Attention FLOPs (QK^T and PV, 2 per multiply-add), causal: query i of a sequence of L
+    attends to i + 1 keys. Decode is the q_len = 1 case."""
+    c = case
+    if c.op == "prefill_attention":
+        attended = c.num_seqs * c.context_len * (c.context_len + 1) // 2
+    elif c.op == "decode_attention":
+        attended = c.num_seqs * c.context_len
+    else:
+        return 0
+    return 4 * c.num_heads * c.head_size * attended
+
+
+def record(case: Case, backend: str, seconds: float, rounds: int, num_sets: int) -> dict:
+    """One result row: the case's shape, its time and the achieved rates."""
+    r = asdict(case) | {"backend": backend, "group": case.group, "id": case.id,
+                        "median_s": seconds, "rounds": rounds, "input_sets": num_sets,
+                        "bytes": bytes_moved(case), "flops": flops(case)}
+    r["gbps"] = r["bytes"] / seconds / 1e9
+    r["tflops"] = r["flops"] / seconds / 1e12
+    return r
+
+
+def num_sets_for(case: Case, device: str, one_set_bytes: int) -> int:
+    budget = (16 << 30) if device == "cuda" else (3 << 30)
+    return rotation_count(one_set_bytes, device, budget_bytes=budget)
+
+
+__all__ = ["BLOCK_SIZES", "Case", "cases", "default_profile", "headline_case", "timed_backends",
+           "device_of", "kernel", "validated_kernel", "build_args", "set_bytes", "bytes_moved",
+           "flops", "record", "num_sets_for", "last_level_cache_bytes"]
+
+
+# ---------------------------------------------------------------- the session summary
+
+def share_of_peak(row: dict, peaks: dict) -> float:
+    """Prefill: share of the measured matmul TFLOP/s; every other op: of the copy GB/s."""
+    p = peaks.get(row.get("device", "cpu"), {})
+    if row["op"] == "prefill_attention":
+        return row["tflops"] / p["matmul_tflops"] if p.get("matmul_tflops") else float("nan")
+    return row["gbps"] / p["copy_gbps"] if p.get("copy_gbps") else float("nan")
+
+
+def headline_line(rows: list[dict], peaks: dict) -> str | None:
+    """The foundation issue's headline: CPU decode bf16 16 seqs x 2048, 32/8 heads, d128, block 16."""
+    want = replace(headline_case("cpu"), sweep="block_size")
+    for r in rows:
+        if r["backend"] == "cpu" and r["id"] == want.id:
+            share = share_of_peak(r, peaks)
+            verdict = "MET" if share >= 0.60 else "NOT MET"
+            return (f"headline (cpu decode bf16, 16 seqs x 2048 tokens, 32/8 heads, d128, block 16): "
+                    f"{r['gbps']:.2f} GB/s = {share:.2f} of copy bandwidth "
+                    f"{peaks['cpu']['copy_gbps']:.2f} GB/s (target >= 0.60: {verdict})")
+    return None
+
+
+def kernel_summary(rows: list[dict], peaks: dict, excluded: dict) -> tuple[dict, str]:
+    """(JSON payload, printable text) of a kernel session: rows with their share of the peaks."""
+    from bench.common import STREAM_NOTE, table
+    for r in rows:
+        r["share_of_peak"] = share_of_peak(r, peaks)
+    cols = ["op", "backend", "sweep", "block_size", "num_seqs", "context_len", "num_heads", "num_kv_heads",
+            "head_size", "dtype", "cache_dtype", "median_s", "gbps", "tflops", "share_of_peak"]
+    lines = [f"peaks: " + "; ".join(f"{d}: copy {p.get('copy_gbps', float('nan')):.2f} GB/s"
+                                    + (f", matmul {p['matmul_tflops']:.3g} TFLOP/s ({p['matmul_dtype']})"
+                                       if p.get("matmul_tflops") else "")
+                                    for d, p in peaks.items()),
+             STREAM_NOTE + "; share_of_peak: prefill vs matmul TFLOP/s, everything else vs copy GB/s",
+             "excluded from timing: " + ("; ".join(f"{k} ({v})" for k, v in excluded.items()) or "none"),
+             table(rows, cols)]
+    head = headline_line(rows, peaks)
+    if head:
+        lines.append(head)
+    payload = {"peaks": peaks, "excluded_backends": excluded, "stream_convention": STREAM_NOTE,
+               "headline": head, "rows": rows}
+    return payload, "\n".join(lines)
