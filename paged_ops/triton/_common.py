@@ -72,10 +72,16 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    # One per device, created once: no allocation + fill launch per call (and CUDA-graph safe).
+    return torch.ones(1, dtype=torch.float32, device=device)
+
+
 def scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(pointer tensor, per_head) for an optional k/v scale; a dummy one-element tensor when absent."""
+    """(pointer tensor, per_head) for an optional k/v scale; a shared 1.0 tensor when absent."""
     if scale is None:
-        return torch.ones(1, dtype=torch.float32, device=like.device), False
+        return _unit_scale(like.device), False
     return scale, scale.numel() > 1
 
 
