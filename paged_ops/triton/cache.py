@@ -12,17 +12,17 @@ from .fp8 import FP8_FORMATS, saturating_fp8_bits
 
 
 @triton.jit
-def _write_one(src_ptr, cache_ptr, scale_ptr, token, slot_block, slot_offset, heads, dims, mask,
+def _write_one(src_ptr, cache_ptr, scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
                stride_src_t, stride_src_h,
                stride_cb, stride_ct, stride_ch,
                QUANTIZE: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
                FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
-    # heads: [BLOCK_H, 1], dims: [1, HEAD_PAD]
+    # heads, head_mask: [BLOCK_H, 1]; dims: [1, HEAD_PAD]; mask: [BLOCK_H, HEAD_PAD]
     x = tl.load(src_ptr + token * stride_src_t + heads * stride_src_h + dims, mask=mask, other=0.0)
     dst = cache_ptr + slot_block * stride_cb + slot_offset * stride_ct + heads * stride_ch + dims
     if QUANTIZE:
         if PER_HEAD_SCALE:
-            scale = tl.load(scale_ptr + heads, mask=mask, other=1.0)  # [BLOCK_H, HEAD_PAD] broadcast
+            scale = tl.load(scale_ptr + heads, mask=head_mask, other=1.0)  # [BLOCK_H, 1]
         else:
             scale = tl.load(scale_ptr)
         y = tl.math.div_rn(x.to(tl.float32), scale)  # the contract asks for a true division
@@ -35,14 +35,15 @@ def _write_one(src_ptr, cache_ptr, scale_ptr, token, slot_block, slot_offset, he
 def _reshape_and_cache_kernel(
         key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
         k_scale_ptr, v_scale_ptr,
-        num_kv_heads, head_size, block_size,
+        num_kv_heads, block_size,
         stride_kt, stride_kh, stride_vt, stride_vh,
         stride_kcb, stride_kct, stride_kch,
         stride_vcb, stride_vct, stride_vch,
         QUANTIZE: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-        BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr):
+        HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr):
     # One program: one token, BLOCK_H of its KV heads, the whole head (padded to HEAD_PAD).
+    # HEAD_SIZE is constexpr so the column mask is known at compile time (vectorized rows).
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # padding token: nothing to cache
@@ -51,11 +52,12 @@ def _reshape_and_cache_kernel(
     slot_offset = slot % block_size
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
-    mask = (heads < num_kv_heads) & (dims < head_size)
-    _write_one(key_ptr, key_cache_ptr, k_scale_ptr, token, slot_block, slot_offset, heads, dims, mask,
+    head_mask = heads < num_kv_heads
+    mask = head_mask & (dims < HEAD_SIZE)
+    _write_one(key_ptr, key_cache_ptr, k_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
                stride_kt, stride_kh, stride_kcb, stride_kct, stride_kch,
                QUANTIZE, K_PER_HEAD, FP8_MAX, MANT, BIAS)
-    _write_one(value_ptr, value_cache_ptr, v_scale_ptr, token, slot_block, slot_offset, heads, dims, mask,
+    _write_one(value_ptr, value_cache_ptr, v_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
                stride_vt, stride_vh, stride_vcb, stride_vct, stride_vch,
                QUANTIZE, V_PER_HEAD, FP8_MAX, MANT, BIAS)
 
@@ -84,13 +86,13 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
     with device_guard(key):
         _reshape_and_cache_kernel[grid](
             key, value, kc, vc, slot_mapping, k_scale_t, v_scale_t,
-            num_kv_heads, head_size, block_size,
+            num_kv_heads, block_size,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             QUANTIZE=quantize, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
             FP8_MAX=fp8_max, MANT=mant, BIAS=bias,
-            BLOCK_H=block_h, HEAD_PAD=head_pad)
+            HEAD_SIZE=head_size, BLOCK_H=block_h, HEAD_PAD=head_pad)
 
 
 # ---------------------------------------------------------------------------------------------
