@@ -164,3 +164,57 @@ def maybe_tune_prefill(*args, **kw) -> dict | None:
 
 
 load()
+
+
+def _bench_case(num_seqs, ctx, q_len, heads, kv_heads, dtype, cache_dtype, head_size=128, block_size=16):
+    """Random full-length paged inputs on the GPU (no reference needed: timing only)."""
+    dev = "cuda"
+    cache_dtype = cache_dtype or dtype
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = num_seqs * blocks_per_seq
+    shape = (num_blocks, block_size, kv_heads, head_size)
+    kc = (torch.randn(shape, device=dev) * 0.5).to(cache_dtype)
+    vc = (torch.randn(shape, device=dev) * 0.5).to(cache_dtype)
+    bt = torch.randperm(num_blocks, device=dev, dtype=torch.int32).reshape(num_seqs, blocks_per_seq)
+    seq_lens = torch.full((num_seqs,), ctx, dtype=torch.int32, device=dev)
+    cu = torch.arange(num_seqs + 1, dtype=torch.int32, device=dev) * q_len
+    q = torch.randn(num_seqs * q_len, heads, head_size, device=dev).to(dtype)
+    scales = (None, None)
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        scales = (torch.ones(1, device=dev), torch.ones(1, device=dev))
+    return q, kc, vc, bt, seq_lens, cu, scales
+
+
+def _bench_main() -> None:
+    """``python -m paged_ops.cuda_tuning``: tune and report a few standard shapes on this GPU.
+
+    Prints, per shape, the chosen configuration, its time and the achieved KV-read bandwidth
+    (decode) or attention FLOP rate (prefill), and persists the choices. These are the numbers a
+    session without a GPU owes.
+    """
+    rows = []
+    for num_seqs, ctx, heads, kv_heads, dt, cache in [(1, 32768, 32, 8, torch.float16, None),
+                                                      (64, 2048, 32, 8, torch.bfloat16, None),
+                                                      (256, 1024, 32, 32, torch.float16, None),
+                                                      (64, 4096, 64, 8, torch.bfloat16, torch.float8_e4m3fn)]:
+        q, kc, vc, bt, sl, _, (ks, vs) = _bench_case(num_seqs, ctx, 1, heads, kv_heads, dt, cache)
+        out = torch.empty_like(q)
+        cfg = tune_decode(out, q, kc, vc, bt, sl, 128 ** -0.5, ks, vs, reps=20)
+        ms = _load_file()[decode_key(q, kc, bt)]["ms"]
+        kv_bytes = 2 * kc.numel() * kc.element_size()
+        rows.append((f"decode n={num_seqs} ctx={ctx} h={heads}/{kv_heads} {dt} {cache}", cfg, ms,
+                     f"{kv_bytes / ms / 1e6:.0f} GB/s"))
+    for num_seqs, qlen, heads, kv_heads, dt in [(4, 2048, 32, 8, torch.float16), (16, 512, 32, 8, torch.bfloat16)]:
+        q, kc, vc, bt, sl, cu, (ks, vs) = _bench_case(num_seqs, qlen, qlen, heads, kv_heads, dt, None)
+        out = torch.empty_like(q)
+        cfg = tune_prefill(out, q, kc, vc, bt, cu, sl, qlen, 128 ** -0.5, True, ks, vs, reps=5)
+        ms = _load_file()[prefill_key(q, kc, bt, qlen)]["ms"]
+        flops = 4 * num_seqs * heads * 128 * qlen * qlen / 2  # causal: half the square
+        rows.append((f"prefill n={num_seqs} q={qlen} h={heads}/{kv_heads} {dt}", cfg, ms,
+                     f"{flops / ms / 1e9:.1f} TFLOP/s"))
+    for name, cfg, ms, rate in rows:
+        print(f"{name:60s} {ms:9.4f} ms  {rate:>14s}  {cfg}")
+
+
+if __name__ == "__main__":
+    _bench_main()

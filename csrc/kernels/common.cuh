@@ -189,13 +189,13 @@ __device__ __forceinline__ void load8(const T* p, float (&o)[8], bool aligned, f
     } else if constexpr (sizeof(T) == 2) {
       const uint4 u = *reinterpret_cast<const uint4*>(p);
       T h[8];
-      memcpy(h, &u, sizeof(u));  // not a pointer cast: T and uint4 must not alias (strict aliasing)
+      memcpy(static_cast<void*>(h), &u, sizeof(u));  // not a pointer cast: T and uint4 must not alias (strict aliasing)
 #pragma unroll
       for (int i = 0; i < 8; ++i) o[i] = to_float(h[i]);
     } else {
       const uint2 u = *reinterpret_cast<const uint2*>(p);
       T h[8];
-      memcpy(h, &u, sizeof(u));
+      memcpy(static_cast<void*>(h), &u, sizeof(u));
 #pragma unroll
       for (int i = 0; i < 8; ++i) o[i] = to_float(h[i]);
     }
