@@ -5,8 +5,9 @@ buckets of the batch and of the context / query length) is computed by the exten
 (``torch.ops.paged_cuda.tuning_key``), so the key the kernels look up and the key tuned here can
 never disagree. ``tune_decode`` / ``tune_prefill`` time every candidate configuration once on the
 caller's real inputs (CUDA events, after a warm-up), record the fastest in the extension's registry
-(``torch.ops.paged_cuda.set_tuned_config``) and persist it to ``CACHE_PATH``; at import the file is
-loaded back into the registry, so later processes reuse the choice without timing again.
+(``torch.ops.paged_cuda.set_tuned_config``) and persist it to ``CACHE_PATH`` (plus a flat ``.tsv``
+twin that the extension loads by itself at its first lookup), so later processes reuse the choice
+without timing again, whether or not they import this module.
 
 ``maybe_tune_decode`` / ``maybe_tune_prefill`` tune only keys not seen yet: that is the once-per-
 shape hook for a caller (router or engine) that wants autotuning on first use.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+# PAGED_OPS_CACHE_DIR moves it (the extension reads the same variable for its .tsv twin).
 CACHE_PATH = Path(os.environ.get("PAGED_OPS_CACHE_DIR", Path.home() / ".cache" / "paged_ops")) / "cuda_tuning.json"
 
 # threads per block x split-KV partition size (tokens); partition -1 = one-pass kernel only.
@@ -99,6 +101,12 @@ def _save(key: str, cfg: dict, ms: float) -> None:
     tmp = CACHE_PATH.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(CACHE_PATH)  # atomic: concurrent processes never read half a file
+    # The extension's own loader reads this flat twin at its first lookup (csrc/cuda/tuning.h).
+    tsv = CACHE_PATH.with_suffix(".tsv")
+    lines = [f"{k} {int(c.get('threads', 0))} {int(c.get('partition', 0))} {int(c.get('kv_tile', 0))} "
+             f"{int(c.get('tc', 0))}" for k, c in sorted(data.items())]
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(tsv)
 
 
 def load() -> int:

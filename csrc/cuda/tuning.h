@@ -2,12 +2,17 @@
 // power-of-two buckets of batch and context) maps to the LaunchConfig the tuner measured fastest.
 // The tuner itself is Python (paged_ops/cuda_tuning.py): it times candidates through
 // PAGED_CUDA_CONFIG, records the winner here with paged_cuda::set_tuned_config and persists it in
-// ~/.cache/paged_ops/cuda_tuning.json, which it loads back into this registry at import.
+// ~/.cache/paged_ops/cuda_tuning.json (for people) and cuda_tuning.tsv (for this loader: one
+// "key threads partition kv_tile tc" line per shape). The registry reads the .tsv on its first
+// lookup, so a new process uses earlier tuning without importing the tuner.
 // An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
 #pragma once
 #include <ATen/ATen.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
+#include <sstream>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -42,9 +47,27 @@ struct Registry {
   std::mutex mu;
   std::unordered_map<std::string, LaunchConfig> configs;
 };
+
+inline std::string cache_file() {
+  if (const char* d = std::getenv("PAGED_OPS_CACHE_DIR")) return std::string(d) + "/cuda_tuning.tsv";
+  const char* home = std::getenv("HOME");
+  return std::string(home ? home : ".") + "/.cache/paged_ops/cuda_tuning.tsv";
+}
+
 inline Registry& registry() {
-  static Registry r;
-  return r;
+  static Registry* r = [] {
+    auto* reg = new Registry;  // never destroyed: lookups may run during interpreter shutdown
+    std::ifstream in(cache_file());
+    std::string line;
+    while (std::getline(in, line)) {
+      std::istringstream ls(line);
+      std::string key;
+      LaunchConfig c;
+      if (ls >> key >> c.threads >> c.partition_size >> c.kv_tile >> c.tensor_cores) reg->configs[key] = c;
+    }
+    return reg;
+  }();
+  return *r;
 }
 
 inline LaunchConfig lookup(const std::string& key) {
