@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -25,10 +24,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
 
 import paged_ops  # noqa: E402
 from paged_ops import reference  # noqa: E402
@@ -46,16 +41,8 @@ FP8 = (E4M3, E5M2)
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 GARBAGE_BLOCK_ID = 1 << 30  # table entries past seq_len: reading one would fault or read NaN
 
-# In a whole-suite run, another module may import triton (torch does, lazily) before this
-# file sets TRITON_INTERPRET; the interpreter is then unusable in this process, so the
-# tests below are skipped here and test_in_fresh_process runs this file in a new process.
-RUNS_HERE = triton_backend.is_available() and DEVICE in triton_backend.DEVICES
-
-
 @pytest.fixture(autouse=True)
-def _only_where_the_kernels_run(request, monkeypatch, tmp_path):
-    if not RUNS_HERE and request.node.originalname != "test_in_fresh_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET was set: test_in_fresh_process runs this")
+def _default_configs_from_an_empty_cache(monkeypatch, tmp_path):
     # On a GPU, every new shape would otherwise be benchmarked over all candidates, and a
     # user's stored configs would leak in: tests run the default configs from an empty cache
     # (test_gpu_tuning_picks_and_persists turns tuning back on).
@@ -63,21 +50,11 @@ def _only_where_the_kernels_run(request, monkeypatch, tmp_path):
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
 
 
-@pytest.mark.skipif(RUNS_HERE, reason="this process runs the tests itself")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: no interpreter needed")
-def test_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=900,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    passed = int(re.search(r"(\d+) passed", summary).group(1))
-    assert passed >= 60 and "failed" not in summary and "error" not in summary, summary
-
-
 def test_interpreter_flag_took_effect():
+    # tests/conftest.py sets TRITON_INTERPRET before triton is imported; without it every test
+    # below would be running (or failing to run) something else.
     assert INTERPRET == (not torch.cuda.is_available())
+    assert triton_backend.is_available() and DEVICE in triton_backend.DEVICES
     assert DEVICE in triton_backend.DEVICES
 
 

@@ -44,8 +44,9 @@ inline constexpr int kTasksPerThread = 4;
 inline constexpr int kMinSplitTokens = 256;
 
 struct Task {
-  int seq, kv_head, q_begin, q_end;  // query rows [q_begin, q_end) of the flattened batch
-  int kv_begin, kv_end;              // this task's KV positions
+  int seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
+  int q_begin, q_end;                   // query rows [q_begin, q_end) of the flattened batch
+  int kv_begin, kv_end;                 // this task's KV positions
   int split, num_splits;
   int64_t partial_offset;  // into the split workspace, in rows
 };
@@ -87,12 +88,13 @@ struct Prefetch {
   int n = 0;  // rows in the next tile (0: nothing to fetch)
   int64_t row_bytes = 0;
   int per_step = 1;  // rows fetched per row of this tile, so the whole next tile is covered
+  int64_t k_offset = 0, v_offset = 0;  // the KV head's offset from the token's base pointer
 
   void rows(int j, int count) const {
     for (int i = j * per_step; i < std::min(n, (j + count) * per_step); ++i)
       for (int64_t b = 0; b < row_bytes; b += 64) {
-        prefetch(reinterpret_cast<const char*>(k[i]) + b);
-        prefetch(reinterpret_cast<const char*>(v[i]) + b);
+        prefetch(reinterpret_cast<const char*>(k[i] + k_offset) + b);
+        prefetch(reinterpret_cast<const char*>(v[i] + v_offset) + b);
       }
   }
 };
@@ -184,8 +186,10 @@ struct PV {
   }
 };
 
-// Runs one task. Rows are (query token, head in group) pairs; row r = token * group + g.
-// Writes out (num_splits == 1) or partial/lse (split tasks).
+// Runs one task. For each KV head, rows are (query token, head in group) pairs: row r = token *
+// group + g. Tiles are the outer loop and heads the inner one, so the task walks each token's
+// K/V rows of all its heads together: contiguous memory in the usual layouts, which is what
+// the hardware prefetcher follows. Writes out (num_splits == 1) or partial/lse (split tasks).
 template <typename QT, typename CT>
 void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, float* lse) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -195,95 +199,117 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const int kv_len = p.seq_lens[t.seq];
   const int first_q = p.cu_seqlens_q[t.seq];
   const int tokens = t.q_end - t.q_begin;
-  const int rows = tokens * group;
-  w.resize(rows, D);
+  const int rows = tokens * group;  // per KV head
+  const int heads = t.kv_head_end - t.kv_head_begin;
+  w.resize(rows * heads, D);
 
-  // k_scale folds into the query, v_scale into the output: both are per KV head.
-  const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, t.kv_head);
-  const float v_mul = head_scale(p.v_scale, p.per_head_scale, t.kv_head);
   const QT* query = static_cast<const QT*>(p.query);
   int kv_stop = t.kv_begin;
   for (int i = 0; i < tokens; ++i) {
     const int token = t.q_begin + i;
     const int visible = p.causal ? kv_len - q_len + (token - first_q) : kv_len - 1;
-    for (int g = 0; g < group; ++g) {
-      const int r = i * group + g;
-      const QT* src = query + token * p.q_stride_token + (t.kv_head * group + g) * p.q_stride_head;
-      to_float(src, &w.q[size_t(r) * D], D);
-      for (int d = 0; d < D; ++d) w.q[size_t(r) * D + d] *= q_mul;
-      w.last_visible[r] = visible;
-      w.m[r] = kNegInf;
-      w.l[r] = 0.f;
-    }
+    for (int g = 0; g < group; ++g) w.last_visible[i * group + g] = visible;
     kv_stop = std::max(kv_stop, std::min(t.kv_end, visible + 1));
   }
-  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * D, 0.f);
+  for (int hl = 0; hl < heads; ++hl) {
+    const int kv_head = t.kv_head_begin + hl;
+    // k_scale folds into the query (and v_scale into the output): both are per KV head.
+    const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, kv_head);
+    for (int r = 0; r < rows; ++r) {
+      const int token = t.q_begin + r / group, head = kv_head * group + r % group;
+      float* q = &w.q[(size_t(hl) * rows + r) * D];
+      to_float(query + token * p.q_stride_token + head * p.q_stride_head, q, D);
+      for (int d = 0; d < D; ++d) q[d] *= q_mul;
+      w.m[hl * rows + r] = kNegInf;
+      w.l[hl * rows + r] = 0.f;
+    }
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * D, 0.f);
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
   const int32_t* table = p.block_tables + int64_t(t.seq) * p.max_blocks_per_seq;
-  const CT* k_rows[2][kTileTokens];  // this tile's and the next tile's row pointers
-  const CT* v_rows[2][kTileTokens];
+  const CT* k_tokens[2][kTileTokens];  // each token's head-0 row, for this tile and the next
+  const CT* v_tokens[2][kTileTokens];
+  const CT* k_rows[kTileTokens];  // the rows of the head being computed
+  const CT* v_rows[kTileTokens];
   const int64_t row_bytes = int64_t(D) * sizeof(CT);
   auto locate = [&](int j0, int slot) {
     for (int j = 0; j < kTileTokens && j0 + j < kv_stop; ++j) {
       const int pos = j0 + j;
       const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
-      k_rows[slot][j] = kc + block * p.k_stride_block + offset * p.k_stride_token + t.kv_head * p.k_stride_head;
-      v_rows[slot][j] = vc + block * p.v_stride_block + offset * p.v_stride_token + t.kv_head * p.v_stride_head;
+      k_tokens[slot][j] = kc + block * p.k_stride_block + offset * p.k_stride_token;
+      v_tokens[slot][j] = vc + block * p.v_stride_block + offset * p.v_stride_token;
     }
     return std::min(kTileTokens, kv_stop - j0);
   };
-  locate(t.kv_begin, 0);
-  Prefetch<CT>{k_rows[0], v_rows[0], std::min(kTileTokens, kv_stop - t.kv_begin), row_bytes, 1}.rows(0, kTileTokens);
+  const int first_n = locate(t.kv_begin, 0);
+  for (int hl = 0; hl < heads; ++hl) {
+    const int64_t h = t.kv_head_begin + hl;
+    Prefetch<CT>{k_tokens[0], v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
+        .rows(0, kTileTokens);
+  }
   for (int j0 = t.kv_begin, slot = 0; j0 < kv_stop; j0 += kTileTokens, slot ^= 1) {
     const int n = std::min(kTileTokens, kv_stop - j0);
-    Prefetch<CT> next;
-    if (j0 + kTileTokens < kv_stop) {
-      next = {k_rows[slot ^ 1], v_rows[slot ^ 1], locate(j0 + kTileTokens, slot ^ 1), row_bytes,
-              (kTileTokens + n - 1) / n};
-    }
-    for_row_blocks<QK, CT>(rows, w.q.data(), D, k_rows[slot], n, w.s.data(), next);
-    for (int r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
-      float* s = &w.s[size_t(r) * kTileTokens];
-      const int visible = std::max(0, std::min(n, w.last_visible[r] - j0 + 1));
-      std::fill(s + visible, s + kTileTokens, kNegInf);  // causally hidden, or past the tile
-      Vec8 vmax = Vec8::load(s);
-      for (int c = 8; c < kTileTokens; c += 8) vmax = Vec8::max(vmax, Vec8::load(s + c));
-      const float tile_max = vmax.reduce_max();
-      if (tile_max == kNegInf) {  // the row sees nothing here: contributes nothing
-        std::fill(s, s + kTileTokens, 0.f);
-        continue;
+    const int next_n = j0 + kTileTokens < kv_stop ? locate(j0 + kTileTokens, slot ^ 1) : 0;
+    for (int hl = 0; hl < heads; ++hl) {
+      const int64_t h = t.kv_head_begin + hl;
+      for (int j = 0; j < n; ++j) {
+        k_rows[j] = k_tokens[slot][j] + h * p.k_stride_head;
+        v_rows[j] = v_tokens[slot][j] + h * p.v_stride_head;
       }
-      const float m_new = std::max(w.m[r], tile_max);
-      const float correction = std::exp(w.m[r] - m_new);  // exp(-inf) = 0 on the first tile
-      const Vec8 shift = Vec8::broadcast(m_new);
-      Vec8 sum = Vec8::zero();
-      for (int c = 0; c < kTileTokens; c += 8) {
-        const Vec8 e = Vec8::exp(Vec8::load(s + c) - shift);
-        e.store(s + c);
-        sum = sum + e;
+      const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
+                              (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
+      float* q = &w.q[size_t(hl) * rows * D];
+      float* acc = &w.acc[size_t(hl) * rows * D];
+      float* m = &w.m[hl * rows];
+      float* l = &w.l[hl * rows];
+      for_row_blocks<QK, CT>(rows, q, D, k_rows, n, w.s.data(), next);
+      for (int r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
+        float* s = &w.s[size_t(r) * kTileTokens];
+        const int visible = std::max(0, std::min(n, w.last_visible[r] - j0 + 1));
+        std::fill(s + visible, s + kTileTokens, kNegInf);  // causally hidden, or past the tile
+        Vec8 vmax = Vec8::load(s);
+        for (int c = 8; c < kTileTokens; c += 8) vmax = Vec8::max(vmax, Vec8::load(s + c));
+        const float tile_max = vmax.reduce_max();
+        if (tile_max == kNegInf) {  // the row sees nothing here: contributes nothing
+          std::fill(s, s + kTileTokens, 0.f);
+          continue;
+        }
+        const float m_new = std::max(m[r], tile_max);
+        const float correction = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
+        const Vec8 shift = Vec8::broadcast(m_new);
+        Vec8 sum = Vec8::zero();
+        for (int c = 0; c < kTileTokens; c += 8) {
+          const Vec8 e = Vec8::exp(Vec8::load(s + c) - shift);
+          e.store(s + c);
+          sum = sum + e;
+        }
+        if (correction != 1.f)
+          for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
+        l[r] = l[r] * correction + sum.sum();
+        m[r] = m_new;
       }
-      if (correction != 1.f)
-        for (int d = 0; d < D; ++d) w.acc[size_t(r) * D + d] *= correction;
-      w.l[r] = w.l[r] * correction + sum.sum();
-      w.m[r] = m_new;
+      for_row_blocks<PV, CT>(rows, acc, D, w.s.data(), v_rows, n);
     }
-    for_row_blocks<PV, CT>(rows, w.acc.data(), D, w.s.data(), v_rows[slot], n);
   }
 
-  for (int r = 0; r < rows; ++r) {
-    const int token = t.q_begin + r / group, head = t.kv_head * group + r % group;
-    float* acc = &w.acc[size_t(r) * D];
-    const float norm = w.l[r] > 0.f ? v_mul / w.l[r] : 0.f;
-    for (int d = 0; d < D; ++d) acc[d] *= norm;
-    if (t.num_splits == 1) {
-      QT* dst = static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head;
-      from_float(acc, dst, D);
-    } else {
-      const int64_t row = t.partial_offset + r;
-      std::copy(acc, acc + D, partial + row * D);
-      lse[row] = w.l[r] > 0.f ? w.m[r] + std::log(w.l[r]) : kNegInf;
+  for (int hl = 0; hl < heads; ++hl) {
+    const int kv_head = t.kv_head_begin + hl;
+    const float v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head);
+    for (int r = 0; r < rows; ++r) {
+      const int row = hl * rows + r;
+      const int token = t.q_begin + r / group, head = kv_head * group + r % group;
+      float* acc = &w.acc[size_t(row) * D];
+      const float norm = w.l[row] > 0.f ? v_mul / w.l[row] : 0.f;
+      for (int d = 0; d < D; ++d) acc[d] *= norm;
+      if (t.num_splits == 1) {
+        from_float(acc, static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
+      } else {
+        const int64_t prow = t.partial_offset + row;
+        std::copy(acc, acc + D, partial + prow * D);
+        lse[prow] = w.l[row] > 0.f ? w.m[row] + std::log(w.l[row]) : kNegInf;
+      }
     }
   }
 }
@@ -291,39 +317,46 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
 // Merges the splits of one (seq, kv head, query tile): out = sum_i exp(lse_i - lse) * partial_i.
 template <typename QT>
 void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const float* lse) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int D = p.head_size, group = p.num_heads / p.num_kv_heads;
   const Task& t = splits[0];
-  const int rows = (t.q_end - t.q_begin) * group;
+  const int rows = (t.q_end - t.q_begin) * group;  // per KV head
   std::vector<float> acc(D);
-  for (int r = 0; r < rows; ++r) {
-    float max_lse = -std::numeric_limits<float>::infinity();
-    for (int i = 0; i < t.num_splits; ++i) max_lse = std::max(max_lse, lse[splits[i].partial_offset + r]);
+  for (int row = 0; row < rows * (t.kv_head_end - t.kv_head_begin); ++row) {
+    float max_lse = kNegInf;
+    for (int i = 0; i < t.num_splits; ++i) max_lse = std::max(max_lse, lse[splits[i].partial_offset + row]);
     std::fill(acc.begin(), acc.end(), 0.f);
     float total = 0.f;
     for (int i = 0; i < t.num_splits; ++i) {
-      const int64_t row = splits[i].partial_offset + r;
-      if (lse[row] == -std::numeric_limits<float>::infinity()) continue;  // split saw no token
-      const float weight = std::exp(lse[row] - max_lse);
+      const int64_t prow = splits[i].partial_offset + row;
+      if (lse[prow] == kNegInf) continue;  // split saw no token
+      const float weight = std::exp(lse[prow] - max_lse);
       total += weight;
-      for (int d = 0; d < D; ++d) acc[d] += weight * partial[row * D + d];
+      for (int d = 0; d < D; ++d) acc[d] += weight * partial[prow * D + d];
     }
     for (int d = 0; d < D; ++d) acc[d] /= total;
-    const int token = t.q_begin + r / group, head = t.kv_head * group + r % group;
+    const int r = row % rows, kv_head = t.kv_head_begin + row / rows;
+    const int token = t.q_begin + r / group, head = kv_head * group + r % group;
     from_float(acc.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
   }
 }
 
-// Cuts the batch into tasks. Long sequences are split only when there are too few tasks to
-// keep every thread busy, so short-context batches never pay for the merge.
+// Cuts the batch into tasks. A task takes all KV heads of its sequence (contiguous reads) unless
+// that leaves threads idle; then heads are spread over tasks, and only then is a long sequence's
+// KV split, so short-context batches never pay for the merge.
 inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, int64_t& partial_rows) {
   const int group = p.num_heads / p.num_kv_heads;
-  const int tile_tokens = std::max(1, 64 / group);  // ~64 rows per task
-  int64_t base_tasks = 0;
+  const int tile_tokens = std::max(1, 64 / group);  // ~64 rows per KV head and task
+  int64_t query_tiles = 0;
   for (int s = 0; s < p.num_seqs; ++s) {
     const int q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
-    base_tasks += int64_t((q_len + tile_tokens - 1) / tile_tokens) * p.num_kv_heads;
+    query_tiles += (q_len + tile_tokens - 1) / tile_tokens;
   }
   const int64_t wanted = int64_t(num_threads) * kTasksPerThread;
+  int heads_per_task = p.num_kv_heads;
+  while (heads_per_task > 1 && query_tiles * ((p.num_kv_heads + heads_per_task - 1) / heads_per_task) < wanted)
+    heads_per_task = (heads_per_task + 1) / 2;
+  const int64_t base_tasks = query_tiles * ((p.num_kv_heads + heads_per_task - 1) / heads_per_task);
   const int max_splits = base_tasks >= wanted ? 1 : int((wanted + base_tasks - 1) / std::max<int64_t>(base_tasks, 1));
 
   std::vector<Task> tasks;
@@ -334,14 +367,15 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
     // Split boundaries on tile multiples keep every split's tiles full.
     const int per_split = ((kv_len + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens;
     const int num_splits = (kv_len + per_split - 1) / per_split;
-    for (int h = 0; h < p.num_kv_heads; ++h) {
+    for (int h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_task) {
+      const int h1 = std::min(p.num_kv_heads, h0 + heads_per_task);
       for (int qb = q0; qb < q1; qb += tile_tokens) {
         const int qe = std::min(q1, qb + tile_tokens);
         for (int i = 0; i < num_splits; ++i) {
-          Task t{s, h, qb, qe, i * per_split, std::min(kv_len, (i + 1) * per_split), i, num_splits, 0};
+          Task t{s, h0, h1, qb, qe, i * per_split, std::min(kv_len, (i + 1) * per_split), i, num_splits, 0};
           if (num_splits > 1) {
             t.partial_offset = partial_rows;
-            partial_rows += int64_t(qe - qb) * group;
+            partial_rows += int64_t(qe - qb) * group * (h1 - h0);
           }
           tasks.push_back(t);
         }
