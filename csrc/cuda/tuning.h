@@ -8,6 +8,7 @@
 // An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
 #pragma once
 #include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
 
 #include <cstdlib>
 #include <fstream>
@@ -29,9 +30,10 @@ inline int64_t pow2_bucket(int64_t n) {
 }
 
 inline std::string shape_key(int dtype, int cache_dtype, int head_size, int group, int num_kv_heads, int block_size,
-                             int64_t num_seqs, int64_t len, bool decode) {
-  // len: decode = the block table's capacity in tokens, prefill = max_seqlen_q.
-  return std::string(decode ? "decode" : "prefill") + "|dt" + std::to_string(dtype) + "|kv" +
+                             int64_t num_seqs, int64_t len, bool decode, int num_sms) {
+  // len: decode = the block table's capacity in tokens, prefill = max_seqlen_q. num_sms: a choice
+  // made on one GPU model is not reused on another.
+  return std::string(decode ? "decode" : "prefill") + "|sm" + std::to_string(num_sms) + "|dt" + std::to_string(dtype) + "|kv" +
          std::to_string(cache_dtype) + "|d" + std::to_string(head_size) + "|g" + std::to_string(group) + "|h" +
          std::to_string(num_kv_heads) + "|bs" + std::to_string(block_size) + "|n" +
          std::to_string(pow2_bucket(num_seqs)) + "|l" + std::to_string(pow2_bucket(len));
@@ -40,7 +42,7 @@ inline std::string shape_key(int dtype, int cache_dtype, int head_size, int grou
 inline std::string shape_key(const AttentionParams& p, bool decode) {
   const int64_t len = decode ? int64_t(p.max_blocks_per_seq) * p.block_size : p.max_seqlen_q;
   return shape_key(p.dtype, p.cache_dtype, p.head_size, p.num_heads / p.num_kv_heads, p.num_kv_heads, p.block_size,
-                   p.num_seqs, len, decode);
+                   p.num_seqs, len, decode, p.num_sms);
 }
 
 struct Registry {
@@ -115,8 +117,11 @@ inline std::string key_for_tensors(const at::Tensor& query, const at::Tensor& ke
   const int group = int(query.size(1) / key_cache.size(2));
   const int64_t num_seqs = block_tables.size(0);
   const int64_t len = decode ? block_tables.size(1) * key_cache.size(1) : num_seqs_or_max_q;
+  int sms = 0;
+  if (query.is_cuda() && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.get_device()) != cudaSuccess)
+    sms = 0;
   return shape_key(code(query.scalar_type()), code(key_cache.scalar_type()), int(query.size(2)), group,
-                   int(key_cache.size(2)), int(key_cache.size(1)), num_seqs, len, decode);
+                   int(key_cache.size(2)), int(key_cache.size(1)), num_seqs, len, decode, sms);
 }
 
 }  // namespace tuning
