@@ -181,6 +181,15 @@ def test_prefill_launch_configs(launch_config, kv_tile, threads):
     check_prefill(case, causal=False)
 
 
+def test_public_ops_route_to_cuda_emu():
+    # Through torch.ops.paged.* with the backend forced, validation included.
+    case = make_case([1, 19], num_heads=6, num_kv_heads=2, head_size=64, block_size=4, seed=12)
+    with paged_ops.use_backend("cuda_emu"):
+        out = nan_like(case.query)
+        torch.ops.paged.decode_attention(*case.decode_args(out))
+    assert_close(out, case.reference_prefill(), case.dtype)
+
+
 def test_prefill_all_empty():
     case = make_case([4, 6], q_lens=[0, 0], num_heads=4, num_kv_heads=2, head_size=64, block_size=4)
     out = torch.empty(0, 4, 64)
