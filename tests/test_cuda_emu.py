@@ -90,15 +90,17 @@ def test_decode_other_head_sizes(head_size):
     check_decode(case)
 
 
-@pytest.mark.parametrize("group,dtype,partition,threads", [
-    (1, torch.float32, 16, 128), (4, torch.float16, 32, 64), (7, torch.bfloat16, 48, 256),
-    (8, torch.float32, 64, 128), (2, torch.float16, 5, 128)])
-def test_decode_split_kv(launch_config, group, dtype, partition, threads):
+@pytest.mark.parametrize("group,dtype,partition,threads,cache_dtype", [
+    (1, torch.float32, 16, 128, None), (4, torch.float16, 32, 64, None), (7, torch.bfloat16, 48, 256, None),
+    (8, torch.float32, 64, 128, None), (2, torch.float16, 5, 128, None),
+    (4, torch.bfloat16, 32, 128, torch.float8_e4m3fn), (1, torch.float16, 24, 64, torch.float8_e5m2)])
+def test_decode_split_kv(launch_config, group, dtype, partition, threads, cache_dtype):
     # The split-KV path with its log-sum-exp merge: partitions that are empty for short
     # sequences, partial last partitions, partition sizes that do not divide the block size.
     launch_config(force_split=1, partition=partition, threads=threads)
     case = make_case([1, partition, partition + 1, 150, 3 * partition - 1], num_heads=2 * group, num_kv_heads=2,
                      head_size=(64, 128, 96, 80, 256)[group % 5], block_size=16, dtype=dtype,
+                     cache_dtype=cache_dtype, scale_kind=("tensor", "head")[group % 2],
                      layout=("NHD", "HND")[group % 2], seed=group)
     check_decode(case)
 

@@ -1,3 +1,6 @@
+// Standalone smoke test of the emulator without torch (the real self-tests are tests/test_cuda_emu.py):
+//   g++ -std=c++17 -O2 -fopenmp -Icsrc -I$CUDA_HOME/include csrc/emu/tests/emu_selftest.cpp -o /tmp/emu_selftest
+//   /tmp/emu_selftest   # prints a block reduction, two caught misuse errors and vote results
 #include "emu/cuda_emu.h"
 #include <cstdio>
 #include <chrono>
