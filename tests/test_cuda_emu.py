@@ -262,11 +262,14 @@ def test_quantize_dequantize(dtype, fp8):
     assert torch.equal(bits(d)[~nan], bits(d_ref)[~nan])
 
 
-def test_quantize_all_fp32_patterns_sample():
-    # A wide sample of float32 bit patterns (every exponent, random mantissas) must quantize
-    # exactly like the reference: RNE ties, subnormals, saturation, NaN.
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_bit_patterns_sample(dtype):
+    # A wide sample of bit patterns (every exponent, random mantissas, both NaN signs) must
+    # quantize exactly like the reference: RNE ties, subnormals, saturation, NaN.
     g = torch.Generator().manual_seed(3)
     x = torch.randint(-2**31, 2**31 - 1, (20000,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    if dtype != torch.float32:
+        x = x.view(torch.int16).view(dtype)  # 16-bit patterns, not a rounding of float32 ones
     for fp8 in FP8:
         for s in (1.0, 0.01, 3.7):
             scale = torch.tensor([s])

@@ -110,7 +110,7 @@ def test_reshape_and_cache(device, dtype, cache_dtype):
     value = (torch.randn(40, 4, 128, generator=g) * 4).to(dtype)
     slots = torch.randperm(64 * 16, generator=g)[:40]
     slots[5] = -1
-    scales = (None, None) if cache_dtype not in FP8 else (torch.rand(4) + 0.01, torch.rand(1) + 0.01)
+    scales = (None, None) if cache_dtype not in FP8 else (torch.rand(4) + 0.01, torch.rand(4) + 0.01)
     ref = [empty_cache(64, 16, 4, 128, cache_dtype, "HND") for _ in range(2)]
     reference.reshape_and_cache(key, value, ref[0], ref[1], slots, *scales)
     dev = [empty_cache(64, 16, 4, 128, cache_dtype, "HND", device=device) for _ in range(2)]

@@ -113,7 +113,37 @@ inline void dispatch_cache(DType act, DType cache, F&& f) {
 
 // ---- scalar conversions ------------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
+#ifdef PAGED_EMU
+// cuda_fp16's host conversion returns a canonical (positive) NaN; the GPU's cvt.f32.f16 (and torch)
+// keep a NaN's sign and payload. Widen the bits exactly, so the emulator's bytes match the GPU's.
+inline float to_float(__half x) {
+  uint16_t h;
+  memcpy(&h, &x, 2);
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / NaN (payload kept)
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do {
+      m <<= 1;
+      ++e;
+    } while (!(m & 0x400u));
+    bits = sign | (uint32_t(112 - e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+#else
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+#endif
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(e4m3_t x) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.x, __NV_E4M3)));  // exact: fp8 is a subset of fp16
