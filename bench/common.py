@@ -13,8 +13,6 @@ import os
 import platform
 import re
 import socket
-import statistics
-import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -77,7 +75,9 @@ def machine_info() -> dict:
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "llc_bytes": last_level_cache_bytes("cpu")}
+            "llc_bytes": last_level_cache_bytes("cpu"),
+            # the dev machine is shared: the load when the file was written says how quiet it was
+            "loadavg_1m_5m_15m": os.getloadavg()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info |= {"gpu": p.name, "gpu_memory_bytes": p.total_memory, "gpu_l2_bytes": last_level_cache_bytes("cuda")}
@@ -130,22 +130,6 @@ def cycling(items: list) -> Callable[[], object]:
     return nxt
 
 
-def median_time(fn: Callable[[], None], device: str, rounds: int, warmup: int = 2) -> float:
-    """Median seconds of fn() over rounds (after warmup). Used only where pytest-benchmark's
-    fixture is not at hand (device_check's reference timings reuse the fixture; this is for
-    the engine bench's tiny sub-measurements)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 # ---------------------------------------------------------------- results file
 
 def load_results(path: Path) -> dict:
@@ -190,7 +174,7 @@ def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path) 
     bandwidth as a dashed line. Returns the PNG path (None if there was no sweep)."""
     sweeps: dict[tuple, list] = {}
     for r in records:
-        if r.get("sweep") == "block_size":
+        if r.get("sweep") == "block_size" and not r["backend"].startswith("torch-"):
             sweeps.setdefault((r["op"], r["backend"]), []).append((r["block_size"], r["gbps"]))
     if not sweeps:
         return None

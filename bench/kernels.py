@@ -95,7 +95,8 @@ def headline_case(profile: str) -> Case:
 
 
 def cases(profile: str) -> list[Case]:
-    """Every timed case of a profile: 'cpu' (make bench here), 'gpu' (device_check.sh), 'smoke'."""
+    """Every timed case of a profile: 'cpu' (make bench here), 'gpu' and 'cpu-small' (device_check.sh),
+    'smoke' (tests/test_bench_smoke.py)."""
     dec = headline_case(profile)
     if profile == "smoke":
         small = dict(num_heads=4, num_kv_heads=2, head_size=32, num_seqs=2, context_len=64)
@@ -106,15 +107,21 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("copy_blocks", "base", num_layers=2, **small), bs)
                 + _sweeps(Case("swap_blocks", "base", **small), bs)
                 + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small)])
-    if profile == "gpu":
-        return (_sweeps(dec, contexts=(1024, 32768), batches=(1, 128), kv_heads=(32, 4), dtypes=("float16", "fp8_e4m3"))
-                + _sweeps(Case("prefill_attention", "base", num_seqs=8, context_len=2048), contexts=(512, 8192),
-                          kv_heads=(32,), dtypes=("float16",))
-                + _sweeps(Case("reshape_and_cache", "base", num_seqs=32, context_len=1024), dtypes=("fp8_e4m3",))
-                + _sweeps(Case("copy_blocks", "base", num_seqs=32, context_len=2048, num_layers=8))
-                + _sweeps(Case("swap_blocks", "base", num_seqs=32, context_len=2048))
-                + [Case(op, "dtype", num_seqs=32, context_len=1024, dtype=d)
-                   for op in ("quantize_fp8", "dequantize_fp8") for d in ("bfloat16", "float32")])
+    if profile == "gpu":  # device_check.sh: ~3 minutes for cuda + triton, Triton JIT and tuning included
+        few = (1, 16, 256)
+        return (_sweeps(dec, contexts=(1024, 32768), batches=(128,), kv_heads=(32,), dtypes=("fp8_e4m3",))
+                + _sweeps(Case("prefill_attention", "base", num_seqs=8, context_len=2048), contexts=(8192,),
+                          dtypes=("float16",))
+                + _sweeps(Case("reshape_and_cache", "base", num_seqs=32, context_len=1024), few, dtypes=("fp8_e4m3",))
+                + _sweeps(Case("copy_blocks", "base", num_seqs=32, context_len=2048, num_layers=8), few)
+                + _sweeps(Case("swap_blocks", "base", num_seqs=32, context_len=2048), few)
+                + [Case(op, "dtype", num_seqs=32, context_len=1024) for op in ("quantize_fp8", "dequantize_fp8")])
+    if profile == "cpu-small":  # device_check.sh on a machine without a GPU: about a minute
+        return (_sweeps(dec, (1, 16, 256), dtypes=("fp8_e4m3",))
+                + _sweeps(Case("prefill_attention", "base", num_seqs=1, context_len=512), (16,))
+                + [Case(op, "block_size", num_seqs=16, context_len=256, num_layers=2)
+                   for op in ("reshape_and_cache", "copy_blocks", "swap_blocks")]
+                + [Case(op, "dtype", num_seqs=16, context_len=256) for op in ("quantize_fp8", "dequantize_fp8")])
     # cpu: sized for ~10 minutes of `make bench` on 2 shared cores
     return (_sweeps(dec, contexts=(256, 1024, 4096), batches=(1, 4, 64), kv_heads=(32, 16, 4),
                     dtypes=("float32", "float16", "fp8_e4m3"))
@@ -158,6 +165,20 @@ def kernel(backend: str, op: str) -> Callable:
     return _backends._REGISTRY[backend].function(op)
 
 
+def tune(backend: str, op: str, args: tuple) -> None:
+    """Let the backend pick its launch configuration for this shape before timing: the cuda
+    backend tunes attention only when asked (paged_ops.cuda_tuning.maybe_tune_*, persisted per
+    shape bucket); the triton backend tunes by itself on a shape's first call (the untimed
+    validation call)."""
+    if backend != "cuda" or op not in ("decode_attention", "prefill_attention"):
+        return
+    try:
+        from paged_ops import cuda_tuning
+    except ImportError:
+        return
+    getattr(cuda_tuning, "maybe_tune_" + op.split("_")[0])(*args)
+
+
 def validated_kernel(backend: str, op: str) -> Callable:
     return getattr(paged_ops.backend(backend), op)
 
@@ -171,11 +192,11 @@ def _rand(shape, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch
     return torch.empty(shape, dtype=torch.float16, device=device).uniform_(-1, 1, generator=gen).to(dtype)
 
 
-def _block_tables(case: Case, num_blocks: int, device: str, gen: torch.Generator) -> torch.Tensor:
+def _block_tables(case: Case, num_blocks: int, device: str, seed: int) -> torch.Tensor:
     """Each sequence's blocks drawn from a random permutation of the pool, as in a long-running
     engine: consecutive blocks of a sequence are not adjacent in memory."""
     per_seq = math.ceil(case.context_len / case.block_size)
-    perm = torch.randperm(num_blocks, generator=gen, device="cpu")[: case.num_seqs * per_seq]
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[: case.num_seqs * per_seq]
     return perm.to(torch.int32).view(case.num_seqs, per_seq).to(device)
 
 
@@ -202,18 +223,18 @@ def build_args(case: Case, device: str, seed: int) -> tuple:
         kc, vc = _pool(c, device, g)
         q = _rand((c.num_seqs, c.num_heads, c.head_size), dt, device, g)
         seq_lens = torch.full((c.num_seqs,), c.context_len, dtype=torch.int32, device=device)
-        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, g), seq_lens,
+        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, seed), seq_lens,
                 c.head_size ** -0.5, _scale(c, device), _scale(c, device))
     if c.op == "prefill_attention":
         kc, vc = _pool(c, device, g)
         q = _rand((c.num_tokens, c.num_heads, c.head_size), dt, device, g)
         cu = torch.arange(c.num_seqs + 1, dtype=torch.int32, device=device) * c.context_len
         seq_lens = torch.full((c.num_seqs,), c.context_len, dtype=torch.int32, device=device)
-        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, g), cu, seq_lens,
+        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, seed), cu, seq_lens,
                 c.context_len, c.head_size ** -0.5, True, _scale(c, device), _scale(c, device))
     if c.op == "reshape_and_cache":
         kc, vc = _pool(c, device, g, spare=1.0)  # half the pool unused, as in a running engine
-        bt = _block_tables(c, kc.shape[0], device, g).long()
+        bt = _block_tables(c, kc.shape[0], device, seed).long()
         pos = torch.arange(c.context_len, device=device)
         slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
         k = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
@@ -289,9 +310,9 @@ def flops(case: Case) -> int:
 
 
 def record(case: Case, backend: str, seconds: float, rounds: int, num_sets: int) -> dict:
-    """One result row: the case's shape, its time and the achieved rates."""
+    """One result row: the case's shape, its time (fastest round) and the achieved rates."""
     r = asdict(case) | {"backend": backend, "group": case.group, "id": case.id,
-                        "median_s": seconds, "rounds": rounds, "input_sets": num_sets,
+                        "seconds": seconds, "rounds": rounds, "input_sets": num_sets,
                         "bytes": bytes_moved(case), "flops": flops(case)}
     r["gbps"] = r["bytes"] / seconds / 1e9
     r["tflops"] = r["flops"] / seconds / 1e12
@@ -304,7 +325,7 @@ def num_sets_for(case: Case, device: str, one_set_bytes: int) -> int:
 
 
 __all__ = ["BLOCK_SIZES", "Case", "cases", "default_profile", "headline_case", "timed_backends",
-           "device_of", "kernel", "validated_kernel", "build_args", "set_bytes", "bytes_moved",
+           "device_of", "kernel", "tune", "validated_kernel", "build_args", "set_bytes", "bytes_moved",
            "flops", "record", "num_sets_for", "last_level_cache_bytes"]
 
 
@@ -331,20 +352,38 @@ def headline_line(rows: list[dict], peaks: dict) -> str | None:
     return None
 
 
+def reference_lines(rows: list[dict]) -> list[str]:
+    """For every shape timed by a torch reference (backend torch-*): each backend's rate against it."""
+    by_id: dict[str, list[dict]] = {}
+    for r in rows:
+        by_id.setdefault(r["id"], []).append(r)
+    lines = []
+    for case_id, group in by_id.items():
+        for ref in (r for r in group if r["backend"].startswith("torch-")):
+            key = "tflops" if ref["op"] == "prefill_attention" else "gbps"
+            unit = "TFLOP/s" if key == "tflops" else "GB/s"
+            others = ", ".join(f"{r['backend']} {r[key]:.3g} {unit} = {r[key] / ref[key]:.2f}x"
+                               for r in group if not r["backend"].startswith("torch-"))
+            lines.append(f"vs {ref['backend']} ({ref[key]:.3g} {unit}) on {case_id}: {others or 'no backend timed'}")
+    return lines
+
+
 def kernel_summary(rows: list[dict], peaks: dict, excluded: dict) -> tuple[dict, str]:
     """(JSON payload, printable text) of a kernel session: rows with their share of the peaks."""
     from bench.common import STREAM_NOTE, table
     for r in rows:
         r["share_of_peak"] = share_of_peak(r, peaks)
     cols = ["op", "backend", "sweep", "block_size", "num_seqs", "context_len", "num_heads", "num_kv_heads",
-            "head_size", "dtype", "cache_dtype", "median_s", "gbps", "tflops", "share_of_peak"]
+            "head_size", "dtype", "cache_dtype", "seconds", "gbps", "tflops", "share_of_peak"]
     lines = [f"peaks: " + "; ".join(f"{d}: copy {p.get('copy_gbps', float('nan')):.2f} GB/s"
                                     + (f", matmul {p['matmul_tflops']:.3g} TFLOP/s ({p['matmul_dtype']})"
                                        if p.get("matmul_tflops") else "")
                                     for d, p in peaks.items()),
-             STREAM_NOTE + "; share_of_peak: prefill vs matmul TFLOP/s, everything else vs copy GB/s",
+             STREAM_NOTE + " (best of the session's start and end measurements); share_of_peak: prefill vs "
+             "matmul TFLOP/s, everything else vs copy GB/s; times: fastest round over rotating inputs",
              "excluded from timing: " + ("; ".join(f"{k} ({v})" for k, v in excluded.items()) or "none"),
              table(rows, cols)]
+    lines += reference_lines(rows)
     head = headline_line(rows, peaks)
     if head:
         lines.append(head)

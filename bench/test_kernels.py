@@ -20,14 +20,21 @@ BACKENDS, EXCLUDED = K.timed_backends()
 DEVICES = sorted({K.device_of(b) for b in BACKENDS}) or ["cpu"]
 CASES = K.cases(PROFILE)
 # Peak-copy size: far beyond any cache, small enough for the shared 24 GiB dev machine.
-COPY_BYTES = {"cpu": 64 << 20 if PROFILE == "smoke" else 512 << 20, "cuda": 2 << 30}
+COPY_BYTES = {"cpu": 64 << 20 if PROFILE == "smoke" else 512 << 20, "cuda": 2 << 30}  # >> LLC
 MATMUL_N = {"cpu": 512 if PROFILE == "smoke" else 2048, "cuda": 8192}
-TARGET_SECONDS = 0.3 if PROFILE == "smoke" else 1.5   # timed seconds per case
+TARGET_SECONDS = {"smoke": 0.3, "cpu-small": 0.5, "gpu": 0.5}.get(PROFILE, 1.5)  # timed seconds per case
 
 
 def _rounds(one_call_s: float) -> int:
     """Enough rounds for ~TARGET_SECONDS of timing, at least 3 (a median needs them), at most 50."""
     return int(min(50, max(3, TARGET_SECONDS / max(one_call_s, 1e-6))))
+
+
+def seconds(benchmark) -> float:
+    """The fastest round. On the shared 2-core machine a round can lose a whole time slice to
+    another process; the least-disturbed round is the reproducible one. Inputs rotate, so the
+    fastest round is still a cold-cache round. (The median is in pytest-benchmark's own table.)"""
+    return benchmark.stats.stats.min
 
 
 def _pedantic(benchmark, fn, sets, device, rounds):
@@ -47,18 +54,27 @@ def _note_exclusions(bench_results):
     bench_results["excluded"].update(EXCLUDED)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_peak_copy_bandwidth(benchmark, bench_results, device):
-    """STREAM-style copy: (read + write bytes) / time of dst.copy_(src) on a buffer >> LLC."""
+def _copy_peak(benchmark, bench_results, device, when):
+    """STREAM-style copy: (read + write bytes) / time of dst.copy_(src) on a buffer >> LLC.
+    Measured at the start and at the end of the session; the peak is the better of the two
+    (the machine is shared: the ratio must not be flattered by a disturbed peak)."""
     n = COPY_BYTES[device]
     src = torch.ones(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     _pedantic(benchmark, lambda s, d: d.copy_(s), [(src, dst), (dst, src)], device, rounds=10)
     if benchmark.stats:
-        gbps = 2 * n / benchmark.stats.stats.median / 1e9
+        gbps = 2 * n / seconds(benchmark) / 1e9
         benchmark.extra_info["copy_gbps"] = gbps
-        bench_results["peaks"].setdefault(device, {})["copy_gbps"] = gbps
+        peaks = bench_results["peaks"].setdefault(device, {})
+        peaks[f"copy_gbps_{when}"] = gbps
+        peaks["copy_gbps"] = max(gbps, peaks.get("copy_gbps", 0.0))
+        peaks["copy_bytes"] = n
         assert gbps > 0.1, f"copy bandwidth {gbps} GB/s: the measurement is broken"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peak_copy_bandwidth(benchmark, bench_results, device):
+    _copy_peak(benchmark, bench_results, device, "start")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -71,7 +87,7 @@ def test_peak_matmul(benchmark, bench_results, device):
     out = torch.empty(n, n, dtype=torch.bfloat16, device=device)
     _pedantic(benchmark, lambda a, b: torch.mm(a, b, out=out), sets, device, rounds=5 if device == "cpu" else 20)
     if benchmark.stats:
-        tflops = 2 * n ** 3 / benchmark.stats.stats.median / 1e12
+        tflops = 2 * n ** 3 / seconds(benchmark) / 1e12
         benchmark.extra_info["matmul_tflops"] = tflops
         bench_results["peaks"].setdefault(device, {}).update(matmul_tflops=tflops, matmul_dtype="bfloat16",
                                                                matmul_n=n)
@@ -83,6 +99,7 @@ def test_kernel(benchmark, bench_results, case, backend):
     """One op on one backend: validated once, then timed over rotating input sets."""
     device = K.device_of(backend)
     first = K.build_args(case, device, seed=0)
+    K.tune(backend, case.op, first)  # as a deployment would, before the first timed call
     t = time.perf_counter()
     K.validated_kernel(backend, case.op)(*first)  # well-formed inputs, and a first-touch warm-up
     if device == "cuda":
@@ -93,7 +110,14 @@ def test_kernel(benchmark, bench_results, case, backend):
     rounds = _rounds(one_call)
     _pedantic(benchmark, K.kernel(backend, case.op), sets, device, rounds)
     if benchmark.stats:
-        row = K.record(case, backend, benchmark.stats.stats.median, rounds, n_sets) | {"device": device}
+        row = K.record(case, backend, seconds(benchmark), rounds, n_sets) | {
+            "device": device, "median_s": benchmark.stats.stats.median}
         benchmark.extra_info.update(gbps=row["gbps"], tflops=row["tflops"], input_sets=n_sets)
         bench_results["kernels"].append(row)
         assert row["gbps"] > 0 and row["median_s"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_peak_copy_bandwidth_end(benchmark, bench_results, device):
+    """The copy peak again, after every kernel (pytest runs a module's tests in file order)."""
+    _copy_peak(benchmark, bench_results, device, "end")
