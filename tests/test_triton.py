@@ -27,6 +27,9 @@ from hypothesis import strategies as st
 
 import paged_ops  # noqa: E402
 from paged_ops import reference  # noqa: E402
+from tests import helpers  # noqa: E402
+from tests.helpers import assert_close  # noqa: E402
+from tests.helpers import poison as poison_  # noqa: E402
 from paged_ops import triton as triton_backend  # noqa: E402
 from paged_ops.triton import autotune, decode, prefill  # noqa: E402
 from paged_ops.triton._common import INTERPRET, fp8_format  # noqa: E402
@@ -35,7 +38,6 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = (E4M3, E5M2)
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -66,40 +68,13 @@ def backend():
     return paged_ops.backend("triton")
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    return ((out - ref).norm() / ref.norm()).item()
-
-
-def assert_close(out, ref, dtype):
-    err = rel_err(out, ref)
-    assert not math.isnan(err), "NaN in the output: a poisoned slot or padded row leaked"
-    assert err <= TOLERANCE[dtype], f"relative L2 error {err:.3g} > {TOLERANCE[dtype]:g} ({dtype})"
-
-
-def poison_(t: torch.Tensor) -> torch.Tensor:
-    """NaN everywhere; fp8 gets the 0x7F pattern (NaN in e4m3fn and e5m2)."""
-    if t.dtype in FP8:
-        t.view(torch.uint8).fill_(0x7F)
-    else:
-        t.fill_(float("nan"))
-    return t
-
-
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Raw bytes of a tensor, for bit-identity checks that NaN != NaN would defeat."""
     return t.contiguous().view(torch.uint8).cpu()
 
 
 def empty_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, layout):
-    """Poisoned cache as [num_blocks, block_size, num_kv_heads, head_size]; HND is allocated
-    [num_blocks, num_kv_heads, block_size, head_size] and permuted."""
-    if layout == "NHD":
-        cache = torch.empty(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=DEVICE)
-    else:
-        cache = torch.empty(num_blocks, num_kv_heads, block_size, head_size, dtype=dtype,
-                            device=DEVICE).transpose(1, 2)
-    return poison_(cache)
+    return helpers.empty_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, layout, DEVICE)
 
 
 def make_scales(cache_dtype, num_kv_heads, scale_mode):
