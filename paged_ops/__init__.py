@@ -11,11 +11,6 @@ import torch
 
 from . import _C  # noqa: F401  (registers the schemas and the C++ backends)
 
-try:  # the emulator and the CUDA backend are built only where the CUDA toolkit is present
-    from . import cuda_tuning  # noqa: F401
-except ImportError:
-    pass
-
 from . import reference
 from .backends import OPS, available_backends, backend, selected_backend, use_backend
 from .backends import _register

@@ -10,6 +10,7 @@ validates, picks a backend for the tensors' device and calls it:
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import os
 import threading
@@ -104,16 +105,22 @@ class Backend:
         return call
 
 
+@functools.cache
+def _is_available(name: str) -> bool:
+    # What a process can run does not change while it runs; torch.ops.paged.* asks on every call.
+    return _REGISTRY[name].is_available()
+
+
 def available_backends() -> list[str]:
     """Names of the backends usable on this machine."""
-    return [name for name, impl in _REGISTRY.items() if impl.is_available()]
+    return [name for name in _REGISTRY if _is_available(name)]
 
 
 def backend(name: str) -> Backend:
     """The backend ``name`` ('cpu', 'triton', 'cuda', 'cuda_emu') as an object with the ops."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown backend {name!r}; known: {sorted(_REGISTRY)}")
-    if not _REGISTRY[name].is_available():
+    if not _is_available(name):
         raise RuntimeError(f"backend {name!r} is not available here; available: {available_backends()}")
     return Backend(name)
 
@@ -142,7 +149,7 @@ def selected_backend(device_type: str) -> str:
             raise RuntimeError(f"backend {name!r} (forced) does not run on {device_type} tensors")
         return name
     for candidate in DEFAULT_ORDER.get(device_type, ()):
-        if _REGISTRY[candidate].is_available():
+        if _is_available(candidate):
             return candidate
     raise RuntimeError(f"no paged_ops backend runs on {device_type} tensors; available: {available_backends()}")
 
