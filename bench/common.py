@@ -64,9 +64,19 @@ def today() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
 
 
+def bench_threads() -> int | None:
+    """PAGED_BENCH_THREADS, if set: the CPU thread count for the session (torch and the OpenMP
+    kernels). On the shared 2-core machine a 2-thread OpenMP region waits for a time slice
+    whenever another process holds the second core; one thread measures the kernel, not that."""
+    n = os.environ.get("PAGED_BENCH_THREADS")
+    return int(n) if n else None
+
+
 def results_path(suffix: str = ".json") -> Path:
-    """bench/results/<machine>-<date><suffix> (the directory overridable by PAGED_BENCH_RESULTS)."""
-    return RESULTS_DIR / f"{machine_id()}-{today()}{suffix}"
+    """bench/results/<machine>-<date>[-<n>threads]<suffix> (the thread count only when
+    PAGED_BENCH_THREADS is set; the directory overridable by PAGED_BENCH_RESULTS)."""
+    threads = f"-{bench_threads()}threads" if bench_threads() else ""
+    return RESULTS_DIR / f"{machine_id()}-{today()}{threads}{suffix}"
 
 
 def machine_info() -> dict:
@@ -111,9 +121,10 @@ def sync(device: str) -> None:
 
 def rotation_count(set_bytes: int, device: str, min_sets: int = 2, max_sets: int = 64,
                    budget_bytes: int | None = None) -> int:
-    """How many input sets to cycle so that together they are >= 2x the last-level cache (a set
-    is then evicted before it comes round again), within a memory budget."""
-    need = math.ceil(2 * last_level_cache_bytes(device) / max(set_bytes, 1))
+    """How many input sets to cycle so that together they are >= 4x the last-level cache (a set
+    is then evicted before it comes round again; 4x rather than 2x because a VM's sysfs may
+    understate the host's cache), within a memory budget."""
+    need = math.ceil(4 * last_level_cache_bytes(device) / max(set_bytes, 1))
     n = max(min_sets, min(max_sets, need))
     if budget_bytes:
         n = max(1, min(n, budget_bytes // max(set_bytes, 1)))

@@ -20,6 +20,12 @@ def bench_results() -> dict:
     return _RESULTS
 
 
+def pytest_configure(config):
+    if common.bench_threads():
+        import torch
+        torch.set_num_threads(common.bench_threads())
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     from bench.kernels import kernel_summary
     write = terminalreporter.write_line

@@ -320,8 +320,11 @@ def record(case: Case, backend: str, seconds: float, rounds: int, num_sets: int)
 
 
 def num_sets_for(case: Case, device: str, one_set_bytes: int) -> int:
+    """Input sets to rotate: sized by the bytes a call touches (bytes_moved; a cache op touches
+    a fraction of its pool), so the sets together are several times the last-level cache."""
     budget = (16 << 30) if device == "cuda" else (3 << 30)
-    return rotation_count(one_set_bytes, device, budget_bytes=budget)
+    touched = min(one_set_bytes, bytes_moved(case))
+    return min(rotation_count(touched, device), max(1, budget // max(one_set_bytes, 1)))
 
 
 __all__ = ["BLOCK_SIZES", "Case", "cases", "default_profile", "headline_case", "timed_backends",
