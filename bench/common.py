@@ -181,11 +181,14 @@ def table(rows: Iterable[dict], columns: list[str]) -> str:
 
 
 def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path) -> Path | None:
-    """Achieved GB/s against block size, one line per (op, backend) block sweep, the copy
-    bandwidth as a dashed line. Returns the PNG path (None if there was no sweep)."""
+    """Achieved GB/s against block size, one line per (op, backend) block sweep of the
+    memory-bound ops, the copy bandwidth as a dashed line. Returns the PNG path (None if there
+    was no sweep). Re-plot a results file: ``python -m bench.common bench/results/X.json``."""
     sweeps: dict[tuple, list] = {}
     for r in records:
-        if r.get("sweep") == "block_size" and not r["backend"].startswith("torch-"):
+        # prefill is compute-bound (its rate is TFLOP/s): a GB/s line near zero would only hide the rest
+        if (r.get("sweep") == "block_size" and not r["backend"].startswith("torch-")
+                and r["op"] != "prefill_attention"):
             sweeps.setdefault((r["op"], r["backend"]), []).append((r["block_size"], r["gbps"]))
     if not sweeps:
         return None
@@ -209,3 +212,11 @@ def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path) 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+if __name__ == "__main__":  # re-plot a results file (same function as the session end)
+    import sys
+    src = Path(sys.argv[1])
+    k = json.loads(src.read_text())["kernels"]
+    peak = (k["peaks"].get("cuda") or k["peaks"].get("cpu") or {}).get("copy_gbps")
+    print(plot_block_sweeps(k["rows"], peak, src.with_name(src.stem + "-bandwidth.png")))
