@@ -7,7 +7,8 @@
 # memcheck over the CUDA tests, then the GPU kernel benchmarks (decode 32 seqs x 8k tokens, 32/8 heads,
 # d128, bf16 block sweep; cuda and triton vs device copy bandwidth, bf16 matmul, FlexAttention paged
 # decode; prefill vs SDPA flash). Without a GPU: the small CPU benchmarks only.
-# Every step has a time limit (together under 8 minutes); results and logs go to bench/results/ and
+# Every step has a time limit (BUILD_S 180 + TESTS_S 100 + MEMCHECK_S 45 + BENCH_S 150 s: under 8 minutes); results (JSON, PNG) and logs go to
+# bench/results/device-check-<UTC time>/ and
 # are copied to $OUT when it is set. Exit status: non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +29,12 @@ step() {
     echo "=== $name (limit ${limit}s): $*"
     timeout --kill-after=15 "$limit" "$@" >"$LOGS/$name.log" 2>&1
     rc=$?
-    tail -n 25 "$LOGS/$name.log"
+    # a benchmark's own summary if it printed one, else the log's tail
+    if grep -q "paged-ops bench:" "$LOGS/$name.log"; then
+        sed -n '/paged-ops bench:/,/^plot:/p' "$LOGS/$name.log"
+    else
+        tail -n 25 "$LOGS/$name.log"
+    fi
     local verdict=ok
     if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="TIMEOUT"; FAILED=1
     elif [ $rc -ne 0 ]; then verdict="FAILED rc=$rc"; FAILED=1; fi
@@ -39,22 +45,22 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     "$PY" -c "import torch; print('GPU:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
     export PAGED_OPS_CUDA=on PAGED_OPS_CUDA_ARCHS=${PAGED_OPS_CUDA_ARCHS:-90} TRITON_INTERPRET=0
     # no network on the device machine: build with what is installed, fetch nothing
-    step build "${BUILD_S:-200}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+    step build "${BUILD_S:-180}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     GPU_TESTS=$(ls tests/test_cuda_gpu.py tests/test_triton.py 2>/dev/null)
     step gpu-tests "${TESTS_S:-100}" "$PY" -m pytest -q -x -p no:cacheprovider $GPU_TESTS
     if command -v compute-sanitizer >/dev/null; then
         # memcheck slows kernels ~100x: the CUDA tests' smaller cases only
-        step memcheck "${MEMCHECK_S:-60}" compute-sanitizer --tool memcheck --error-exitcode 99 \
+        step memcheck "${MEMCHECK_S:-45}" compute-sanitizer --tool memcheck --error-exitcode 99 \
             --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_gpu.py \
             -k "${MEMCHECK_K:-decode or prefill or reshape}" --maxfail=1
     else
         SUMMARY+=("$(printf '%-16s %-14s' memcheck 'SKIPPED (no compute-sanitizer on PATH)')")
     fi
-    step kernel-bench "${BENCH_S:-200}" env PAGED_BENCH_PROFILE=gpu "$PY" -m pytest -q -p no:cacheprovider \
+    step kernel-bench "${BENCH_S:-150}" env PAGED_BENCH_PROFILE=gpu PAGED_BENCH_RESULTS="$LOGS" "$PY" -m pytest -q -p no:cacheprovider \
         bench/test_kernels.py bench/test_references.py --benchmark-enable
 else
     echo "no GPU visible: CPU benchmarks only (small profile)"
-    step kernel-bench-cpu "${BENCH_S:-300}" env PAGED_BENCH_PROFILE=cpu-small "$PY" -m pytest -q \
+    step kernel-bench-cpu "${BENCH_S:-300}" env PAGED_BENCH_PROFILE=cpu-small PAGED_BENCH_RESULTS="$LOGS" "$PY" -m pytest -q \
         -p no:cacheprovider bench/test_kernels.py --benchmark-enable
 fi
 

@@ -25,7 +25,7 @@ CASES = K.cases(PROFILE)
 # Peak-copy size: far beyond any cache, small enough for the shared 24 GiB dev machine.
 COPY_BYTES = {"cpu": 64 << 20 if PROFILE == "smoke" else 512 << 20, "cuda": 2 << 30}  # >> LLC
 MATMUL_N = {"cpu": 512 if PROFILE == "smoke" else 2048, "cuda": 8192}
-TARGET_SECONDS = {"smoke": 0.3, "cpu-small": 0.5, "gpu": 0.5}.get(PROFILE, 1.5)  # timed seconds per case
+TARGET_SECONDS = {"smoke": 0.3, "cpu-small": 0.5, "gpu": 0.3}.get(PROFILE, 1.5)  # timed seconds per case
 
 
 def _rounds(one_call_s: float) -> int:
