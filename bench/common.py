@@ -87,7 +87,7 @@ def machine_info() -> dict:
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "llc_bytes": last_level_cache_bytes("cpu"),
             # the dev machine is shared: the load when the file was written says how quiet it was
-            "loadavg_1m_5m_15m": os.getloadavg()}
+            "loadavg_1m_5m_15m": os.getloadavg(), "git": git_state()}
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info |= {"gpu": p.name, "gpu_memory_bytes": p.total_memory, "gpu_l2_bytes": last_level_cache_bytes("cuda")}
@@ -97,6 +97,19 @@ def machine_info() -> dict:
     except ImportError:
         pass
     return info
+
+
+def git_state() -> dict:
+    """The commit the numbers come from, and whether the (shared) working tree differed from it."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.split("\n")
+        return {"commit": head, "modified_files": [line[3:] for line in dirty if line.strip()]}
+    except OSError:
+        return {}
 
 
 def last_level_cache_bytes(device: str) -> int:
