@@ -197,3 +197,22 @@ def test_swap_blocks_round_trip(dtype):
     assert torch.equal(back[1].view(torch.uint8), gpu_like[6].view(torch.uint8))
     assert torch.equal(back[5].view(torch.uint8), gpu_like[2].view(torch.uint8))
     assert torch.isnan(host[1].float()).all(), "a block outside the mapping was written"
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+def test_attention_reads_every_fp8_value(fp8_dtype):
+    """Every finite fp8 byte pattern (normals, subnormals, both zeros) as K and V, widened exactly."""
+    finite = [b for b in range(256) if torch.isfinite(torch.tensor([b], dtype=torch.uint8).view(fp8_dtype).float())]
+    num_blocks, block_size, kvh, d = 4, 16, 1, 64
+    pattern = torch.tensor(finite, dtype=torch.uint8).repeat(num_blocks * block_size * d // len(finite) + 1)
+    kc = pattern[: num_blocks * block_size * kvh * d].view(num_blocks, block_size, kvh, d).view(fp8_dtype)
+    vc = pattern.roll(17)[: kc.numel()].view(kc.shape).view(fp8_dtype)
+    # Scales keep e5m2's 57344 from dominating every softmax row.
+    k_scale, v_scale = torch.tensor([1 / 4096]), torch.tensor([1 / 512])
+    q = torch.randn(2, 4, d)  # float32: its 1e-5 budget catches a widening off by one part in 256
+    tables = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]], dtype=torch.int32)
+    lens = torch.tensor([64, 50], dtype=torch.int32)
+    out, ref = nan_like(q), torch.empty(q.shape, dtype=torch.float64)
+    cpu.decode_attention(out, q, kc, vc, tables, lens, d ** -0.5, k_scale, v_scale)
+    reference.decode_attention(ref, q.double(), kc, vc, tables, lens, d ** -0.5, k_scale, v_scale)
+    assert_close(out, ref, torch.float32)
