@@ -8,7 +8,7 @@ export CUDA_HOME
 export CUDACXX ?= $(if $(wildcard $(CUDA_HOME)/bin/nvcc),$(CUDA_HOME)/bin/nvcc,)
 TORCH_VERSION ?= 2.14.1
 
-.PHONY: all venv build demo test bench clean
+.PHONY: all venv build demo test bench device-check clean
 
 all: build
 
@@ -35,6 +35,10 @@ test: build
 
 bench: build
 	$(PY) -m pytest -q bench --benchmark-enable
+
+# On a GPU machine (builds with the machine's own torch, no venv): tests, memcheck, benchmarks.
+device-check:
+	bash bench/device_check.sh
 
 clean:
 	rm -rf build $(VENV) paged_ops/_C*.so

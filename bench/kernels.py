@@ -16,7 +16,6 @@ from typing import Callable
 import torch
 
 import paged_ops
-from paged_ops import backends as _backends
 from bench.common import CORRECTNESS_ONLY, last_level_cache_bytes, rotation_count
 
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -162,7 +161,7 @@ def kernel(backend: str, op: str) -> Callable:
     """The backend's op without the Python argument validation: on a GPU the validation costs
     tens of microseconds, the size of a small kernel. Every case is validated once before timing
     (validated_kernel), so the timed calls are known to be well-formed."""
-    return _backends._REGISTRY[backend].function(op)
+    return paged_ops.backend(backend).unchecked(op)
 
 
 def tune(backend: str, op: str, args: tuple) -> None:

@@ -90,6 +90,13 @@ class Backend:
     def __repr__(self) -> str:
         return f"paged_ops.backend({self.name!r})"
 
+    def unchecked(self, op: str) -> Callable:
+        """The raw kernel entry point of ``op``, without input validation (for benchmarks that
+        validated their arguments once and time many calls). Bad input here is undefined."""
+        if op not in OPS:
+            raise ValueError(f"unknown op {op!r}; ops: {OPS}")
+        return self._impl.function(op)
+
     def __getattr__(self, op: str):
         if op not in OPS:
             raise AttributeError(op)

@@ -60,8 +60,9 @@ def test_decode_head_sizes(head_size, dtype, layout):
                                                     (2, 1800, torch.float16)])
 def test_decode_split_path(num_seqs, seq_len, dtype):
     # One or two sequences with one KV head cannot occupy the threads: the KV gets split and
-    # the partial results merged by log-sum-exp.
-    case = make_case([seq_len - i * 7 for i in range(num_seqs)], num_heads=4, num_kv_heads=1, head_size=128,
+    # the partial results merged by log-sum-exp (work above the kernel's threshold for threads).
+    assert torch.get_num_threads() > 1, "the split path needs more than one thread"
+    case = make_case([seq_len - i * 7 for i in range(num_seqs)], num_heads=8, num_kv_heads=1, head_size=128,
                      block_size=16, dtype=dtype)
     check_decode(case)
 
@@ -87,7 +88,7 @@ def test_prefill_non_causal(dtype):
 
 
 def test_prefill_long_context_split():
-    case = make_case([2600], [3], num_heads=2, num_kv_heads=1, head_size=64, block_size=32)
+    case = make_case([2600], [3], num_heads=8, num_kv_heads=1, head_size=128, block_size=32)
     check_prefill(case)
 
 

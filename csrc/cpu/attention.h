@@ -42,6 +42,7 @@ inline constexpr int kTileTokens = 32;  // a multiple of 8: softmax runs on whol
 // Below this many tasks per thread a long sequence is split; splits never get shorter than this.
 inline constexpr int kTasksPerThread = 4;
 inline constexpr int kMinSplitTokens = 256;
+inline constexpr int64_t kMinParallelWork = int64_t(1) << 21;  // ~0.2 ms of one core
 
 struct Task {
   int seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
@@ -355,7 +356,7 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
     const int q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
     query_tiles += (q_len + tile_tokens - 1) / tile_tokens;
   }
-  const int64_t wanted = int64_t(num_threads) * kTasksPerThread;
+  const int64_t wanted = num_threads > 1 ? int64_t(num_threads) * kTasksPerThread : 1;
   int heads_per_task = p.num_kv_heads;
   while (heads_per_task > 1 && query_tiles * ((p.num_kv_heads + heads_per_task - 1) / heads_per_task) < wanted)
     heads_per_task = (heads_per_task + 1) / 2;
@@ -390,13 +391,19 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
 
 template <typename QT, typename CT>
 void paged_attention(const AttentionParams& p) {
-  const int num_threads = omp_get_max_threads();
+  // A parallel region costs a wake-up of every thread, and a whole time slice when another
+  // process holds a core: small calls (an engine's decode step on a short context) run inline,
+  // and then nothing is gained by splitting KV either.
+  int64_t work = 0;  // multiply-adds, roughly
+  for (int s = 0; s < p.num_seqs; ++s)
+    work += int64_t(p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s]) * p.seq_lens[s] * p.num_heads * p.head_size;
+  const bool parallel = work >= kMinParallelWork && omp_get_max_threads() > 1;
   int64_t partial_rows = 0;
-  const std::vector<Task> tasks = plan_tasks(p, num_threads, partial_rows);
+  const std::vector<Task> tasks = plan_tasks(p, parallel ? omp_get_max_threads() : 1, partial_rows);
   std::vector<float> partial(size_t(partial_rows) * p.head_size), lse(partial_rows);
   const int64_t num_tasks = int64_t(tasks.size());
 
-#pragma omp parallel
+#pragma omp parallel if (parallel)
   {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)

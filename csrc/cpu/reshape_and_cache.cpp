@@ -3,6 +3,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
+#include <algorithm>
+
 #include "convert.h"
 #include "ops.h"
 
@@ -19,7 +21,9 @@ void scatter(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTens
   CT* dst = cache.data_ptr<CT>();
   const float* scales = scale ? scale->data_ptr<float>() : nullptr;
   const bool per_head = scale && scale->numel() > 1;
-  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+  // Chunks of >= 64K elements: a parallel region for less costs more than it saves.
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (num_heads * D));
+  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;  // padding token
