@@ -7,9 +7,8 @@ from transformers import AutoModelForCausalLM
 from engine.demo import save_tiny_checkpoint  # noqa: F401  (re-exported for the tests)
 
 
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' own greedy generate, one prompt at a time (the oracle)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+def _greedy_each(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy generate one prompt at a time, exactly max_tokens new tokens (no EOS stop)."""
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
@@ -19,6 +18,12 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list
                                  min_new_tokens=max_tokens, do_sample=False)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (the oracle)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    return _greedy_each(model, prompts, max_tokens)
 
 
 def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int, fp8_dtype: torch.dtype,
@@ -43,12 +48,4 @@ def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int
     AttentionInterface.register("fake_fp8", attention)
     AttentionMaskInterface.register("fake_fp8", eager_mask)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="fake_fp8")
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False)
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return _greedy_each(model, prompts, max_tokens)

@@ -18,6 +18,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "cuda/binding_common.h"
 #include "kernels/params.h"
 
 namespace paged_cuda {
@@ -104,16 +105,7 @@ inline std::vector<int64_t> get_config(const std::string& key) {
 
 inline std::string key_for_tensors(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables,
                                    int64_t num_seqs_or_max_q, bool decode) {
-  auto code = [](at::ScalarType t) {
-    switch (t) {
-      case at::kFloat: return 0;
-      case at::kHalf: return 1;
-      case at::kBFloat16: return 2;
-      case at::kFloat8_e4m3fn: return 3;
-      case at::kFloat8_e5m2: return 4;
-      default: return -1;
-    }
-  };
+  const auto code = binding::dtype_code;  // the codes the kernels dispatch on
   const int group = int(query.size(1) / key_cache.size(2));
   const int64_t num_seqs = block_tables.size(0);
   const int64_t len = decode ? block_tables.size(1) * key_cache.size(1) : num_seqs_or_max_q;
