@@ -56,12 +56,14 @@ struct Task {
 struct Scratch {
   std::vector<float> q, acc, s, m, l;
   std::vector<int> last_visible;
-  void resize(int rows, int head_size) {
-    q.resize(size_t(rows) * head_size);
-    acc.resize(size_t(rows) * head_size);
+  // rows per KV head: scores and visibility are per head (reused head after head), the rest
+  // (queries, accumulators, softmax state) for all the task's heads.
+  void resize(int rows, int heads, int head_size) {
+    q.resize(size_t(rows) * heads * head_size);
+    acc.resize(size_t(rows) * heads * head_size);
     s.resize(size_t(rows) * kTileTokens);
-    m.resize(rows);
-    l.resize(rows);
+    m.resize(size_t(rows) * heads);
+    l.resize(size_t(rows) * heads);
     last_visible.resize(rows);
   }
 };
@@ -205,7 +207,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const int tokens = t.q_end - t.q_begin;
   const int rows = tokens * group;  // per KV head
   const int heads = t.kv_head_end - t.kv_head_begin;
-  w.resize(rows * heads, D);
+  w.resize(rows, heads, D);
 
   const QT* query = static_cast<const QT*>(p.query);
   int kv_stop = t.kv_begin;
