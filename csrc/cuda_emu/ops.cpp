@@ -46,9 +46,38 @@ struct EmuBackend {
 
 namespace B = paged_cuda::binding;
 }  // namespace
+
+void load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_attention.cpp
+uint64_t load_watch_end();
+
+namespace {
+// decode_attention that also returns how many bytes its kernels read from the two KV caches'
+// storages (through the kernels' load helpers). Tests compare it with the bytes of the live tokens
+// to prove each KV token is read once per query group.
+int64_t decode_kv_bytes_read(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             double scale, const B::OptTensor& k_scale, const B::OptTensor& v_scale) {
+  auto range = [](const at::Tensor& t) { return std::make_pair(t.storage().data(), t.storage().nbytes()); };
+  const auto k = range(key_cache), v = range(value_cache);
+  load_watch_begin(k.first, k.second, v.first, v.second);
+  try {
+    B::decode_attention<EmuBackend>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
+                                    v_scale);
+  } catch (...) {
+    load_watch_end();
+    throw;
+  }
+  return int64_t(load_watch_end());
+}
+}  // namespace
 }  // namespace paged_cuda_emu
 
-TORCH_LIBRARY(paged_cuda_emu, m) { PAGED_OPS_DEFINE_SCHEMAS(m); }
+TORCH_LIBRARY(paged_cuda_emu, m) {
+  PAGED_OPS_DEFINE_SCHEMAS(m);
+  m.def("decode_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale) -> int",
+        &paged_cuda_emu::decode_kv_bytes_read);
+}
 
 TORCH_LIBRARY_IMPL(paged_cuda_emu, CPU, m) {
   using E = paged_cuda_emu::EmuBackend;

@@ -499,6 +499,31 @@ inline const unsigned char* warp_allgather(unsigned mask, const void* mine, size
 }
 inline unsigned lane_id() { return detail::cur().linear % 32; }
 
+// Load accounting for tests: while a watch is on, the kernels' global-load helpers (load8,
+// copy_async in kernels/common.cuh) add the bytes they read from the watched address ranges. It is
+// how tests prove how often a kernel reads each KV-cache byte; loads that bypass the helpers are
+// not seen, so the count is a lower bound of what a kernel reads.
+struct LoadWatch {
+  std::atomic<bool> on{false};
+  std::atomic<uintptr_t> lo[2]{}, hi[2]{};
+  std::atomic<uint64_t> bytes{0};
+};
+inline LoadWatch& load_watch() {
+  static LoadWatch w;
+  return w;
+}
+inline void note_load(const void* p, size_t n) {
+  LoadWatch& w = load_watch();
+  if (!w.on.load(std::memory_order_relaxed)) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (int i = 0; i < 2; ++i) {
+    if (a >= w.lo[i].load(std::memory_order_relaxed) && a < w.hi[i].load(std::memory_order_relaxed)) {
+      w.bytes.fetch_add(n, std::memory_order_relaxed);
+      return;
+    }
+  }
+}
+
 // Dynamic shared memory of the running block, checked against what the launch asked for.
 template <typename T>
 inline T* dynamic_smem(size_t count) {

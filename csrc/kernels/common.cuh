@@ -211,6 +211,9 @@ struct Chunk8 {
 
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&o)[8], bool aligned, float mul = 1.0f) {
+#ifdef PAGED_EMU
+  ::cuda_emu::note_load(p, 8 * sizeof(T));  // tests count the KV-cache bytes a kernel reads
+#endif
   if (aligned) {
     if constexpr (sizeof(T) == 4) {
       const float4 a = reinterpret_cast<const float4*>(p)[0];
@@ -263,6 +266,52 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8], bool aligned, 
 #pragma unroll
     for (int i = 0; i < 8; ++i) p[i] = tmp[i];
   }
+}
+
+// ---- asynchronous global -> shared copies --------------------------------------------------------
+// copy_async(dst, src, bytes): `bytes` is 1, 2, 4, 8 or 16 and both addresses are aligned to it.
+// On sm_80+ the 4/8/16-byte copies are cp.async (no registers held while the load is in flight, so
+// a block can keep a whole tile of loads outstanding while it computes on the previous one);
+// 1/2-byte copies (odd views only) and older GPUs copy synchronously. A copy is complete, for the
+// calling thread, after the cp_async_wait that covers its commit group; other threads see it
+// after a following __syncthreads.
+__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes) {
+#ifdef PAGED_EMU
+  ::cuda_emu::note_load(src, bytes);
+  memcpy(dst, src, bytes);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if (bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+  } else if (bytes == 8) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(src) : "memory");
+  } else if (bytes == 4) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(src) : "memory");
+  } else if (bytes == 2) {
+    *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+  } else {
+    *static_cast<uint8_t*>(dst) = *static_cast<const uint8_t*>(src);
+  }
+#else
+  if (bytes == 16) *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+  else if (bytes == 8) *static_cast<uint2*>(dst) = *static_cast<const uint2*>(src);
+  else if (bytes == 4) *static_cast<uint32_t*>(dst) = *static_cast<const uint32_t*>(src);
+  else if (bytes == 2) *static_cast<uint16_t*>(dst) = *static_cast<const uint16_t*>(src);
+  else *static_cast<uint8_t*>(dst) = *static_cast<const uint8_t*>(src);
+#endif
+}
+// Closes the calling thread's current group of copy_async copies.
+__device__ __forceinline__ void cp_async_commit() {
+#if !defined(PAGED_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until at most N of the calling thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if !defined(PAGED_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
 }
 
 // True when `p + k * stride` is chunk-aligned for every k: the base and every stride (in elements)

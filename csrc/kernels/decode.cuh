@@ -1,14 +1,30 @@
 // Paged decode attention: one query token per sequence against its whole paged KV history.
 //
-// Work split. A thread block owns one KV head of one sequence and (up to kGroupTile <= 8 of) the
-// query heads that share it, so every KV token is read from memory once per query group, not once
-// per query head as in vLLM's original paged-attention kernel. Within the block, a "token group" of
-// TPT lanes reads one token: each lane loads an 8-element chunk of the K row (one 16-byte load for
-// 16-bit caches), dots it with its chunk of every query head in registers, and the TPT partial dots
-// are summed with xor-shuffles. TPT = head_size / 8 rounded up to 8, 16 or 32, so a warp reads
-// 32 / TPT tokens at once and loads of a warp are full 128-byte lines for 64/128/256-wide heads.
-// head_size is a runtime value (any multiple of 8 up to 256): only the lanes-per-token class is a
-// template parameter, which keeps nvcc's instantiations at 3 per dtype pair.
+// Work split. Decode is bound by reading the KV cache, so the unit of work is what shares a KV
+// row: a thread block owns one KV head of one sequence and every query head of its group, and each
+// KV token is read from memory once per group, not once per query head as in vLLM's original
+// paged-attention kernel. Within a block, a "token group" of TPT lanes works on one token: each
+// lane owns an 8-element chunk of the head dimension, dots it with its chunk of up to 8 query heads
+// held in registers (kMaxGroupTile: 8 heads x 8 dims of q and of the accumulators per lane is what
+// the register file allows at 256 threads), and the TPT partial dots are summed with
+// xor-shuffles. TPT = head_size / 8 rounded up to 8, 16 or 32, so a warp reads 32 / TPT tokens at
+// once and its loads are full 128-byte lines for 64/128/256-wide heads. head_size is a runtime
+// value (any multiple of 8 up to 256).
+//
+// Two kernels, one set of pieces (q load, per-lane online softmax, QK reduce, merge and store):
+//  * group <= 8 (decode_kernel): the whole group fits one lane's registers, so every token group
+//    streams its own tokens straight from global memory into registers, one token ahead (register
+//    double buffering). The head tile is a template parameter (1, 2, 4, 8) so an MHA model does
+//    not pay for 8 heads' registers.
+//  * group > 8 (decode_shared_kv_kernel; GQA with big groups, MQA): no lane can hold the group, so
+//    warps are split among tiles of 8 heads, and the KV tokens they all need are staged once per
+//    block in shared memory: all threads copy a chunk of K and V rows (raw cache bytes, cp.async
+//    on sm_80+, double-buffered so the next chunk is in flight while this one is consumed), then
+//    each tile's token groups walk the chunk out of shared memory (fp8 is dequantised there). One
+//    block reads each KV token from DRAM once for up to 64 heads (8 tiles x 8 heads at 256
+//    threads). Larger groups (> 64) are cut into head chunks of up to 64 on grid x, next to each
+//    other (x = seq * chunks + chunk), so the chunks of one (sequence, KV head) run back to back
+//    and their re-reads of the same KV hit L2: DRAM still sees about one read per group.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -32,23 +48,150 @@
 namespace PAGED_KERNEL_NS {
 namespace decode {
 
-// Query heads per block: the group (rounded up to 1, 2, 4 or 8), at most 8. The accumulators are
-// kGroupTile x 8 floats per lane, so an MHA model (group 1) must not pay for 8.
+// Query heads one lane holds (q and accumulators: kMaxGroupTile x 8 floats each).
 constexpr int kMaxGroupTile = 8;
+// decode_kernel's head tile: the group rounded up to 1, 2, 4 or 8.
 inline int group_tile(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
 
 inline int lanes_per_token(int head_size) { return head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32; }
 
+// ---- pieces shared by both kernels ------------------------------------------------------------
+
+// This lane's 8 dims of `gcount` query heads from `head0`, pre-scaled into the log2 domain; zeros
+// for the heads past gcount and for idle lanes.
+template <typename T, int G>
+__device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& p, int seq, int head0, int gcount,
+                                       int d0, bool active) {
+  const float qmul = p.scale * kLog2e;
+  const T* qrow = static_cast<const T*>(p.query) + seq * p.q_stride_tok + d0;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      q[g][i] = (g < gcount && active) ? to_float(qrow[(head0 + g) * p.q_stride_head + i]) * qmul : 0.f;
+  }
+}
+
+// Scores of one token for the G heads: this lane's partial dots summed over the token group's tpt
+// lanes. gcount must be warp-uniform (the shuffles need the whole warp). tpt is a constant in
+// decode_kernel (the loop unrolls) and a runtime value in the shared-KV kernel.
+template <int G>
+__device__ __forceinline__ void qk_scores(const float (&q)[G][8], const float (&k)[8], float (&s)[G], int gcount,
+                                          int tpt) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    s[g] = 0.f;
+    if (g < gcount) {
+      float d = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d += q[g][i] * k[i];
+#pragma unroll
+      for (int o = tpt / 2; o > 0; o >>= 1) d += __shfl_xor_sync(kFullMask, d, o);
+      s[g] = d;
+    }
+  }
+}
+
+// Per-lane online softmax of G heads over this lane's 8 dims.
+template <int G>
+struct OnlineSoftmax {
+  float m[G], l[G], acc[G][8];
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m[g] = -INFINITY;
+      l[g] = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+    }
+  }
+  __device__ __forceinline__ void update(const float (&s)[G], const float (&v)[8], int gcount) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < gcount) {
+        const float mn = fmaxf(m[g], s[g]);
+        const float a = exp2f(m[g] - mn);  // m = -inf on the first token: a = 0
+        const float pr = exp2f(s[g] - mn);
+        l[g] = l[g] * a + pr;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * a + pr * v[i];
+        m[g] = mn;
+      }
+    }
+  }
+};
+
+// Where a block's results go: the output (one pass) or its split-KV partition's workspace rows.
+struct Dest {
+  int seq, part, num_partitions;
+  float* tmp_out;
+  float* tmp_ml;
+};
+
+// Floats of the merge scratch: [ntg][gstride] (max, sum) pairs, then [ntg][gstride][D] accumulators.
+__host__ __device__ inline size_t merge_floats(int ntg, int gstride, int D) {
+  return size_t(ntg) * gstride * (D + 2);
+}
+
+// Merges the token groups' states through shared memory `sm` (merge_floats(ntg, gstride, D)) and
+// writes the block's `nheads` heads from `head0`. Token groups are numbered tile-major: the head tile
+// t (block heads [t * gstride, (t + 1) * gstride)) is served by token groups
+// [t * ntg_tile, (t + 1) * ntg_tile). Has a __syncthreads: every thread of the block calls it.
+template <typename T, int G>
+__device__ __forceinline__ void merge_and_store(const AttentionParams& p, const OnlineSoftmax<G>& st, float* sm,
+                                                int ntg, int ntg_tile, int gstride, int tg, int gcount, bool lead,
+                                                bool active, int d0, int head0, int nheads, const Dest& o) {
+  const int D = p.head_size;
+  float* sml = sm;
+  float* sacc = sm + size_t(ntg) * gstride * 2;
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (g < gcount) {
+      if (lead) {
+        sml[(tg * gstride + g) * 2] = st.m[g];
+        sml[(tg * gstride + g) * 2 + 1] = st.l[g];
+      }
+      if (active) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sacc[size_t(tg * gstride + g) * D + d0 + i] = st.acc[g][i];
+      }
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < nheads * D; idx += blockDim.x) {
+    const int h = idx / D, d = idx % D;
+    const int g = h % gstride, j0 = (h / gstride) * ntg_tile;
+    float M = -INFINITY;
+    for (int j = j0; j < j0 + ntg_tile; ++j) M = fmaxf(M, sml[(j * gstride + g) * 2]);
+    float L = 0.f, A = 0.f;
+    for (int j = j0; j < j0 + ntg_tile; ++j) {
+      const float lj = sml[(j * gstride + g) * 2 + 1];
+      if (lj == 0.f) continue;  // a token group that saw no token (its max is -inf)
+      const float w = exp2f(sml[(j * gstride + g) * 2] - M);
+      L += w * lj;
+      A += w * sacc[size_t(j * gstride + g) * D + d];
+    }
+    const int head = head0 + h;
+    if (o.num_partitions == 1) {
+      static_cast<T*>(p.out)[o.seq * p.o_stride_tok + head * p.o_stride_head + d] = from_float<T>(A / L);
+    } else {
+      const size_t row = (size_t(o.seq) * p.num_heads + head) * o.num_partitions + o.part;
+      o.tmp_out[row * D + d] = A / L;
+      if (d == 0) {
+        o.tmp_ml[row * 2] = M;
+        o.tmp_ml[row * 2 + 1] = L;
+      }
+    }
+  }
+}
+
+// ---- group <= 8: KV streamed into registers ----------------------------------------------------
 template <typename T, typename KV, int TPT, int kGroupTile>
 __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int partition_size, int num_partitions,
-                                                      float* tmp_out, float* tmp_ml, int n_gtiles,
-                                                      bool k_aligned, bool v_aligned) {
-  const int group = p.num_heads / p.num_kv_heads;
-  // Sequences on x (up to 2^31 - 1; y/z stop at 65535), (KV head, group tile) on y, partitions on z.
-  const int kvh = blockIdx.y / n_gtiles;
-  const int g0 = (blockIdx.y % n_gtiles) * kGroupTile;
-  const int gcount = min(kGroupTile, group - g0);
-  const int gmax = min(kGroupTile, group);  // the smem layout's stride, same for every block
+                                                      float* tmp_out, float* tmp_ml, bool k_aligned, bool v_aligned) {
+  const int group = p.num_heads / p.num_kv_heads;  // <= kGroupTile: the whole group
+  // Sequences on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
+  const int kvh = blockIdx.y;
   const int seq = blockIdx.x;
   const int part = blockIdx.z;
   const int seq_len = p.seq_lens[seq];
@@ -64,31 +207,18 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
   const int ntg = (blockDim.x / 32) * kGroupsPerWarp;
   const int d0 = sub * 8;
   const bool active = d0 < D;  // head sizes that are not 8*TPT leave the top lanes idle
-  const int head0 = kvh * group + g0;
+  const int head0 = kvh * group;
 
   float q[kGroupTile][8];
-  const float qmul = p.scale * kLog2e;
-  const T* qrow = static_cast<const T*>(p.query) + seq * p.q_stride_tok + d0;
-#pragma unroll
-  for (int g = 0; g < kGroupTile; ++g) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      q[g][i] = (g < gcount && active) ? to_float(qrow[(head0 + g) * p.q_stride_head + i]) * qmul : 0.f;
-  }
+  load_q<T>(q, p, seq, head0, group, d0, active);
   const float kscale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kvh : 0] : 1.f;
   const float vscale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kvh : 0] : 1.f;
   const KV* kc = static_cast<const KV*>(p.key_cache) + kvh * p.k_stride_head + d0;
   const KV* vc = static_cast<const KV*>(p.value_cache) + kvh * p.v_stride_head + d0;
   const int32_t* bt = p.block_tables + seq * p.bt_stride;
 
-  float m[kGroupTile], l[kGroupTile], acc[kGroupTile][8];
-#pragma unroll
-  for (int g = 0; g < kGroupTile; ++g) {
-    m[g] = -INFINITY;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
-  }
+  OnlineSoftmax<kGroupTile> st;
+  st.init();
 
   // Every lane runs the same number of iterations (the bound is block-uniform) so the shuffles
   // below always see the full warp; tokens past `end` just contribute nothing.
@@ -113,75 +243,132 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
     for (int i = 0; i < 8; ++i) k[i] = kn[i], v[i] = vn[i];
     fetch(base + ntg + tg);
     float s[kGroupTile];
-#pragma unroll
-    for (int g = 0; g < kGroupTile; ++g) {
-      if (g < gcount) {
-        float d = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) d += q[g][i] * k[i];
-#pragma unroll
-        for (int o = TPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(kFullMask, d, o);
-        s[g] = d;
-      }
-    }
-    if (valid) {
-#pragma unroll
-      for (int g = 0; g < kGroupTile; ++g) {
-        if (g < gcount) {
-          const float mn = fmaxf(m[g], s[g]);
-          const float a = exp2f(m[g] - mn);  // m = -inf on the first token: a = 0
-          const float pr = exp2f(s[g] - mn);
-          l[g] = l[g] * a + pr;
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * a + pr * v[i];
-          m[g] = mn;
-        }
-      }
-    }
+    qk_scores(q, k, s, group, TPT);
+    if (valid) st.update(s, v, group);
   }
 
-  // Merge the token groups: [ntg][gmax][2] (max, sum) then [ntg][gmax][D] accumulators.
-  PAGED_DYNAMIC_SMEM(float, sm, size_t(ntg) * gmax * (D + 2));
-  float* sml = sm;
-  float* sacc = sm + size_t(ntg) * gmax * 2;
-#pragma unroll
-  for (int g = 0; g < kGroupTile; ++g) {
-    if (g < gcount) {
-      if (sub == 0) {
-        sml[(tg * gmax + g) * 2] = m[g];
-        sml[(tg * gmax + g) * 2 + 1] = l[g];
-      }
-      if (active) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sacc[size_t(tg * gmax + g) * D + d0 + i] = acc[g][i];
-      }
+  PAGED_DYNAMIC_SMEM(float, sm, merge_floats(ntg, group, D));
+  merge_and_store<T>(p, st, sm, ntg, ntg, group, tg, group, sub == 0, active, d0, head0, group,
+                     Dest{seq, part, num_partitions, tmp_out, tmp_ml});
+}
+
+// ---- group > 8: KV staged once per block in shared memory --------------------------------------
+// Shape of a decode_shared_kv_kernel launch (plan() fills it; plain data, passed by value).
+struct SharedKV {
+  int tpt;               // lanes per token (8, 16, 32)
+  int warps_per_tile;    // warps serving each tile of 8 heads; warp w serves tile w / warps_per_tile
+  int heads_per_block;   // multiple of 8, at most 64: the head chunk of one block
+  int n_hchunks;         // head chunks per KV head (1 unless group > 64), on grid x
+  int chunk;             // KV tokens staged per step
+  int pitch;             // bytes of one staged K or V row: head_size * cache bytes, rounded up to 16
+  int copy_bytes;        // bytes per copy_async (16 when pointer and strides allow, down to 1)
+};
+
+// Staging (2 buffers x K and V rows), or the merge scratch that reuses it afterwards.
+__host__ __device__ inline size_t shared_kv_smem(const SharedKV& sk, int threads, int D) {
+  const size_t staging = size_t(2) * 2 * sk.chunk * sk.pitch;
+  const size_t merge = merge_floats(threads / 32 * (32 / sk.tpt), kMaxGroupTile, D) * sizeof(float);
+  return staging > merge ? staging : merge;
+}
+
+template <typename T, typename KV>
+__global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p, SharedKV sk, int partition_size,
+                                                                int num_partitions, float* tmp_out, float* tmp_ml) {
+  const int group = p.num_heads / p.num_kv_heads;
+  // (sequence, head chunk) on x, chunks adjacent: see the header comment.
+  const int seq = blockIdx.x / sk.n_hchunks;
+  const int hchunk = blockIdx.x % sk.n_hchunks;
+  const int kvh = blockIdx.y;
+  const int part = blockIdx.z;
+  const int seq_len = p.seq_lens[seq];
+  const int start = num_partitions > 1 ? part * partition_size : 0;
+  if (start >= seq_len) return;  // whole block leaves together
+  const int end = num_partitions > 1 ? min(seq_len, start + partition_size) : seq_len;
+  const int D = p.head_size;
+
+  const int tpt = sk.tpt;
+  const int gpw = 32 / tpt;  // token groups per warp
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tile = warp / sk.warps_per_tile;
+  const int sub = lane % tpt;
+  const int tg = warp * gpw + lane / tpt;  // tile-major, as merge_and_store expects
+  const int ntg_tile = sk.warps_per_tile * gpw;
+  const int tg_in_tile = tg - tile * ntg_tile;
+  const int ntg = blockDim.x / 32 * gpw;
+  const int d0 = sub * 8;
+  const bool active = d0 < D;
+  const int hb = hchunk * sk.heads_per_block;         // first group-relative head of the block
+  const int nheads = min(sk.heads_per_block, group - hb);
+  const int gcount = max(0, min(kMaxGroupTile, nheads - tile * kMaxGroupTile));  // warp-uniform
+  const int head0 = kvh * group + hb;
+
+  float q[kMaxGroupTile][8];
+  load_q<T>(q, p, seq, head0 + tile * kMaxGroupTile, gcount, d0, active);
+  const float kscale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kvh : 0] : 1.f;
+  const float vscale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kvh : 0] : 1.f;
+  const char* kbase = static_cast<const char*>(p.key_cache) + kvh * p.k_stride_head * int64_t(sizeof(KV));
+  const char* vbase = static_cast<const char*>(p.value_cache) + kvh * p.v_stride_head * int64_t(sizeof(KV));
+  const int32_t* bt = p.block_tables + seq * p.bt_stride;
+
+  PAGED_DYNAMIC_SMEM(unsigned char, smem, shared_kv_smem(sk, blockDim.x, D));
+  const int C = sk.chunk, pitch = sk.pitch, cb = sk.copy_bytes;
+  const int units = D * int(sizeof(KV)) / cb;  // copies per row
+  auto buffer = [&](int b) { return smem + size_t(b) * 2 * C * pitch; };  // K rows, then V rows
+  // All threads copy the K and V rows of tokens [c0, min(c0 + C, end)) into buffer b: nothing at or
+  // past `end` is read.
+  auto stage = [&](int c0, int b) {
+    unsigned char* buf = buffer(b);
+    const int n = min(C, end - c0);
+    for (int idx = threadIdx.x; idx < n * units; idx += blockDim.x) {
+      const int r = idx / units, u = idx - r * units;
+      const int t = c0 + r;
+      const int64_t blk = bt[t / p.block_size], off = t % p.block_size;
+      const int64_t ko = (blk * p.k_stride_block + off * p.k_stride_tok) * int64_t(sizeof(KV)) + u * cb;
+      const int64_t vo = (blk * p.v_stride_block + off * p.v_stride_tok) * int64_t(sizeof(KV)) + u * cb;
+      copy_async(buf + size_t(r) * pitch + u * cb, kbase + ko, cb);
+      copy_async(buf + size_t(C + r) * pitch + u * cb, vbase + vo, cb);
     }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < gcount * D; idx += blockDim.x) {
-    const int g = idx / D, d = idx % D;
-    float M = -INFINITY;
-    for (int j = 0; j < ntg; ++j) M = fmaxf(M, sml[(j * gmax + g) * 2]);
-    float L = 0.f, A = 0.f;
-    for (int j = 0; j < ntg; ++j) {
-      const float lj = sml[(j * gmax + g) * 2 + 1];
-      if (lj == 0.f) continue;  // a token group that saw no token (its max is -inf)
-      const float w = exp2f(sml[(j * gmax + g) * 2] - M);
-      L += w * lj;
-      A += w * sacc[size_t(j * gmax + g) * D + d];
-    }
-    const float o = A / L;
-    if (num_partitions == 1) {
-      static_cast<T*>(p.out)[seq * p.o_stride_tok + (head0 + g) * p.o_stride_head + d] = from_float<T>(o);
+    cp_async_commit();
+  };
+
+  OnlineSoftmax<kMaxGroupTile> st;
+  st.init();
+  const int nchunks = ceil_div(end - start, C);  // block-uniform: every thread meets every barrier
+  stage(start, 0);
+  for (int c = 0; c < nchunks; ++c) {
+    const int c0 = start + c * C;
+    if (c + 1 < nchunks) {
+      stage(c0 + C, (c + 1) & 1);  // its buffer was last read before the previous iteration's barrier
+      cp_async_wait<1>();
     } else {
-      const size_t row = (size_t(seq) * p.num_heads + head0 + g) * num_partitions + part;
-      tmp_out[row * D + d] = o;
-      if (d == 0) {
-        tmp_ml[row * 2] = M;
-        tmp_ml[row * 2 + 1] = L;
+      cp_async_wait<0>();
+    }
+    __syncthreads();  // chunk c is in shared memory for everybody
+    const unsigned char* buf = buffer(c & 1);
+    const int n = min(C, end - c0);
+    if (gcount > 0) {
+      for (int base = 0; base < n; base += ntg_tile) {  // warp-uniform bound: shuffles see the full warp
+        const int r = base + tg_in_tile;
+        const bool valid = r < n;
+        float k[8], v[8];
+        if (valid && active) {
+          load8(reinterpret_cast<const KV*>(buf + size_t(r) * pitch) + d0, k, true, kscale);
+          load8(reinterpret_cast<const KV*>(buf + size_t(C + r) * pitch) + d0, v, true, vscale);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) k[i] = v[i] = 0.f;
+        }
+        float s[kMaxGroupTile];
+        qk_scores(q, k, s, gcount, tpt);
+        if (valid) st.update(s, v, gcount);
       }
     }
+    __syncthreads();  // buffer c & 1 is free for chunk c + 2
   }
+
+  // The staging buffers are idle now (last copies waited for, last reads behind the barrier).
+  merge_and_store<T>(p, st, reinterpret_cast<float*>(smem), ntg, ntg_tile, kMaxGroupTile, tg, gcount, sub == 0,
+                     active, d0, head0, nheads, Dest{seq, part, num_partitions, tmp_out, tmp_ml});
 }
 
 // Log-sum-exp merge of the split-KV partials of one (sequence, query head).
@@ -209,7 +396,11 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
 }
 
 struct Plan {
-  int threads, tpt, gtile, n_gtiles, gmax, partition_size, num_partitions;
+  bool shared_kv;  // group > 8: decode_shared_kv_kernel
+  int threads, tpt, partition_size, num_partitions;
+  int gtile;       // decode_kernel's head tile (template parameter)
+  SharedKV sk;     // decode_shared_kv_kernel's shape
+  int grid_x, grid_y, grid_z;
   size_t smem, reduce_smem;
   size_t workspace_floats;  // tmp_out + tmp_ml
 };
@@ -217,24 +408,70 @@ struct Plan {
 constexpr int kDefaultThreads = 128;
 constexpr int kDefaultPartition = 512;
 constexpr int kMaxPartitions = 8192;  // keeps the reduce kernel's weights in 32 KB of smem
+// Shared-KV staging: KV tokens per step, and the most bytes one step's K + V rows may take
+// (two steps are resident: 64 KB, so two 128-thread blocks still fit an SM).
+constexpr int kDefaultChunk = 64;
+constexpr int kMaxStageBytes = 32 * 1024;
+
+inline int cache_elem_bytes(int dtype) {
+  switch (DType(dtype)) {
+    case DType::F32: return 4;
+    case DType::F16:
+    case DType::BF16: return 2;
+    default: return 1;
+  }
+}
+
+// The widest copy (16 bytes down to 1) that every K/V row start and row length is aligned to.
+inline int copy_unit(const AttentionParams& p, int elem) {
+  uint64_t bits = uint64_t(p.head_size) * elem;
+  bits |= reinterpret_cast<uintptr_t>(p.key_cache) | reinterpret_cast<uintptr_t>(p.value_cache);
+  for (int64_t s : {p.k_stride_block, p.k_stride_tok, p.k_stride_head, p.v_stride_block, p.v_stride_tok,
+                    p.v_stride_head})
+    bits |= uint64_t(s * elem);
+  int u = 16;
+  while (u > 1 && bits % u) u >>= 1;
+  return u;
+}
 
 inline Plan plan(const AttentionParams& p, const LaunchConfig& cfg) {
   Plan pl{};
-  pl.threads = cfg.threads > 0 ? cfg.threads : kDefaultThreads;
-  if (pl.threads % 32 || pl.threads > 256)
+  const int threads = cfg.threads > 0 ? cfg.threads : kDefaultThreads;
+  if (threads % 32 || threads > 256)
     throw std::runtime_error("paged_cuda: decode threads per block must be 32, 64, ..., 256");
   pl.tpt = lanes_per_token(p.head_size);
   const int group = p.num_heads / p.num_kv_heads;
-  pl.gtile = group_tile(group);
-  pl.n_gtiles = (group + pl.gtile - 1) / pl.gtile;
-  pl.gmax = std::min(pl.gtile, group);
-  const int ntg = pl.threads / 32 * (32 / pl.tpt);
-  pl.smem = size_t(ntg) * pl.gmax * (p.head_size + 2) * sizeof(float);
+  pl.shared_kv = group > kMaxGroupTile;
+  int hchunks = 1;
+  if (!pl.shared_kv) {
+    pl.threads = threads;
+    pl.gtile = group_tile(group);
+    pl.smem = merge_floats(pl.threads / 32 * (32 / pl.tpt), group, p.head_size) * sizeof(float);
+  } else {
+    // Tiles of 8 heads; at most 8 tiles (256 threads, one warp each at least) per block.
+    const int tiles = (group + kMaxGroupTile - 1) / kMaxGroupTile;
+    hchunks = (tiles + 7) / 8;
+    const int tiles_per_block = (tiles + hchunks - 1) / hchunks;
+    SharedKV& sk = pl.sk;
+    sk.tpt = pl.tpt;
+    sk.warps_per_tile = std::max(1, threads / 32 / tiles_per_block);
+    sk.heads_per_block = tiles_per_block * kMaxGroupTile;
+    sk.n_hchunks = hchunks;
+    const int elem = cache_elem_bytes(p.cache_dtype);
+    sk.pitch = (p.head_size * elem + 15) / 16 * 16;
+    sk.copy_bytes = copy_unit(p, elem);
+    const int chunk = cfg.kv_tile > 0 ? cfg.kv_tile : kDefaultChunk;
+    sk.chunk = std::max(1, std::min(chunk, kMaxStageBytes / (2 * sk.pitch)));
+    pl.threads = tiles_per_block * sk.warps_per_tile * 32;
+    pl.smem = shared_kv_smem(sk, pl.threads, p.head_size);
+  }
+  pl.grid_x = p.num_seqs * hchunks;
+  pl.grid_y = p.num_kv_heads;
   // Upper bound of any context: the block table's width (the real max would need a device sync).
   const int64_t max_ctx = int64_t(p.max_blocks_per_seq) * p.block_size;
   int part = cfg.partition_size > 0 ? cfg.partition_size : kDefaultPartition;
   part = int(std::max<int64_t>(part, (max_ctx + kMaxPartitions - 1) / kMaxPartitions));
-  const int64_t blocks = int64_t(p.num_seqs) * p.num_kv_heads * pl.n_gtiles;
+  const int64_t blocks = int64_t(pl.grid_x) * pl.grid_y;
   const int64_t sms = std::max(p.num_sms, 1);
   const bool split = cfg.partition_size >= 0 && max_ctx > part && (cfg.force_split || blocks < 2 * sms);
   if (split && !cfg.force_split) {
@@ -245,6 +482,7 @@ inline Plan plan(const AttentionParams& p, const LaunchConfig& cfg) {
   }
   pl.partition_size = part;
   pl.num_partitions = split ? int((max_ctx + part - 1) / part) : 1;
+  pl.grid_z = pl.num_partitions;
   pl.reduce_smem = size_t(pl.num_partitions) * sizeof(float);
   pl.workspace_floats = split ? size_t(p.num_seqs) * p.num_heads * pl.num_partitions * (p.head_size + 2) : 0;
   return pl;
@@ -255,17 +493,25 @@ inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* wor
   const Plan pl = plan(p, cfg);
   float* tmp_out = workspace;
   float* tmp_ml = workspace ? workspace + size_t(p.num_seqs) * p.num_heads * pl.num_partitions * p.head_size : nullptr;
+  const dim3 grid(pl.grid_x, pl.grid_y, pl.grid_z);
   dispatch_float(DType(p.dtype), [&](auto tt) {
     using T = typename decltype(tt)::type;
     dispatch_cache<T>(DType(p.dtype), DType(p.cache_dtype), [&](auto kt) {
       using KV = typename decltype(kt)::type;
+      if (pl.shared_kv) {
+        auto kernel = decode_shared_kv_kernel<T, KV>;
+        PAGED_ALLOW_SMEM(kernel, pl.smem);
+        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sk, pl.partition_size,
+                     pl.num_partitions, tmp_out, tmp_ml);
+        PAGED_CHECK_LAUNCH("decode_shared_kv_kernel");
+        return;
+      }
       const bool ka = chunk_aligned<KV>(p.key_cache, {p.k_stride_block, p.k_stride_tok, p.k_stride_head});
       const bool va = chunk_aligned<KV>(p.value_cache, {p.v_stride_block, p.v_stride_tok, p.v_stride_head});
-      const dim3 grid(p.num_seqs, p.num_kv_heads * pl.n_gtiles, pl.num_partitions);
       auto run = [&](auto kernel) {
         PAGED_ALLOW_SMEM(kernel, pl.smem);
         PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.partition_size, pl.num_partitions,
-                     tmp_out, tmp_ml, pl.n_gtiles, ka, va);
+                     tmp_out, tmp_ml, ka, va);
         PAGED_CHECK_LAUNCH("decode_kernel");
       };
       auto by_group = [&](auto tpt) {
