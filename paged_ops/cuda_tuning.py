@@ -29,6 +29,8 @@ CACHE_PATH = Path(os.environ.get("PAGED_OPS_CACHE_DIR", Path.home() / ".cache" /
 
 # threads per block x split-KV partition size (tokens); partition -1 = one-pass kernel only.
 DECODE_CANDIDATES = [dict(threads=t, partition=p) for t in (64, 128, 256) for p in (256, 512, 1024, -1)]
+# KV tokens per shared-memory staging step of the decode kernel for query groups > 8.
+DECODE_SHARED_KV_TILES = (32, 64)
 # The tensor-core kernel (fixed 128 threads, 64 x 32 tiles; fp16/bf16 only), then the CUDA-core
 # kernel's threads per block (rows per block = threads / 8) x KV tokens per shared-memory tile.
 PREFILL_CANDIDATES = [dict(tc=1)] + [dict(tc=-1, threads=t, kv_tile=k) for t in (64, 128, 256) for k in (16, 32, 64)]
@@ -147,7 +149,12 @@ def tune_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scal
     key = decode_key(query, key_cache, block_tables)
     run = lambda: _ops().decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,  # noqa: E731
                                           scale, k_scale, v_scale)
-    return _tune(key, DECODE_CANDIDATES, run, reps)
+    candidates = DECODE_CANDIDATES
+    if query.size(1) // key_cache.size(2) > 8:
+        # Groups > 8 run the shared-KV kernel, whose staging chunk (kv_tile) trades shared memory
+        # (blocks per SM) against barriers per token.
+        candidates = [dict(c, kv_tile=k) for c in DECODE_CANDIDATES for k in DECODE_SHARED_KV_TILES]
+    return _tune(key, candidates, run, reps)
 
 
 def tune_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale,

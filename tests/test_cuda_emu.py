@@ -112,10 +112,85 @@ def test_decode_one_pass_forced(launch_config):
     check_decode(case)
 
 
-def test_decode_large_group():
-    # group 16 > the 8 query heads a block holds: two blocks per KV head.
-    case = make_case([3, 40], num_heads=32, num_kv_heads=2, head_size=64, block_size=16, seed=11)
+# ---- decode, groups > 8: the shared-KV kernel --------------------------------------------------
+# One block per (sequence, KV head) holds up to 64 query heads (8 warp tiles of 8) and stages each
+# KV chunk (64 tokens by default, fewer for wide rows: 16 for fp32 x 256) once in shared memory;
+# groups > 64 are cut into head chunks of at most 64. Lengths: 1 token, a block boundary, one past
+# it, and lengths that are not multiples of the chunk (65, 130).
+LARGE_GROUP_GRID = [  # group, KV heads, head size, dtype, layout, block size
+    (12, 2, 128, torch.bfloat16, "NHD", 16), (16, 2, 64, torch.float32, "HND", 3),
+    (16, 1, 256, torch.float16, "NHD", 1), (24, 1, 96, torch.float32, "NHD", 16),
+    (32, 2, 80, torch.float16, "HND", 16), (32, 1, 128, torch.bfloat16, "NHD", 256),
+    (64, 1, 128, torch.float32, "HND", 16), (64, 2, 256, torch.bfloat16, "NHD", 7),
+    (72, 1, 64, torch.float32, "NHD", 16),  # 9 tiles: two blocks of 5 tiles, the last one has an idle tile
+    (80, 1, 64, torch.float16, "HND", 16), (96, 1, 128, torch.bfloat16, "NHD", 5)]
+
+
+def large_lens(block_size):
+    return [1, 256, 300] if block_size == 256 else [1, block_size, 2 * block_size + 1, 65, 130]
+
+
+@pytest.mark.parametrize("group,kv_heads,head_size,dtype,layout,block_size", LARGE_GROUP_GRID)
+def test_decode_large_group(group, kv_heads, head_size, dtype, layout, block_size):
+    case = make_case(large_lens(block_size), num_heads=group * kv_heads, num_kv_heads=kv_heads, head_size=head_size,
+                     block_size=block_size, dtype=dtype, layout=layout, seed=group + head_size)
     check_decode(case)
+
+
+@pytest.mark.parametrize("group,cache_dtype,scale_kind,head_size,dtype", [
+    (16, torch.float8_e4m3fn, "tensor", 128, torch.bfloat16), (32, torch.float8_e5m2, "head", 64, torch.float16),
+    (64, torch.float8_e4m3fn, "head", 256, torch.float32), (20, torch.float8_e5m2, "tensor", 24, torch.float16)])
+def test_decode_large_group_fp8(group, cache_dtype, scale_kind, head_size, dtype):
+    # head size 24: 24-byte fp8 rows, so the staging copies are 8 bytes wide and rows are padded.
+    case = make_case([1, 16, 33, 100], num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=16,
+                     dtype=dtype, cache_dtype=cache_dtype, scale_kind=scale_kind, layout=("NHD", "HND")[group % 3 == 0],
+                     seed=group)
+    check_decode(case)
+
+
+@pytest.mark.parametrize("group,config,cache_dtype", [
+    (16, dict(force_split=1, partition=32, threads=64), None),
+    (32, dict(force_split=1, partition=48, threads=256, kv_tile=7), None),  # chunks that straddle partitions
+    (64, dict(force_split=1, partition=20, threads=128), torch.float8_e4m3fn),
+    (80, dict(force_split=1, partition=64, kv_tile=1), None),
+    (16, dict(threads=32, kv_tile=5), None),     # one warp per tile, tiny chunks
+    (24, dict(threads=256, partition=-1), torch.float8_e5m2)])  # several warps per tile, one pass
+def test_decode_large_group_configs(launch_config, group, config, cache_dtype):
+    launch_config(**config)
+    case = make_case([1, 31, 32, 33, 150], num_heads=2 * group, num_kv_heads=2, head_size=(64, 128, 80)[group % 3],
+                     block_size=16, dtype=(torch.float16, torch.bfloat16, torch.float32)[group % 3],
+                     cache_dtype=cache_dtype, scale_kind=("tensor", "head")[group % 2], layout=("NHD", "HND")[group % 2],
+                     seed=group)
+    check_decode(case)
+
+
+def test_decode_large_group_unaligned_cache():
+    # Odd element offset and head stride: the staging falls back to 2-byte copies.
+    case = make_case([1, 17, 70], num_heads=32, num_kv_heads=2, head_size=64, block_size=8, dtype=torch.bfloat16, seed=1)
+    for name in ("key_cache", "value_cache"):
+        c = getattr(case, name)
+        wide = torch.full(c.shape[:-1] + (c.shape[-1] + 1,), float("nan"), dtype=c.dtype)[..., 1:]
+        wide.copy_(c)
+        setattr(case, name, wide)
+    check_decode(case)
+
+
+@pytest.mark.parametrize("group,config", [(1, ""), (8, ""), (12, ""), (16, ""), (32, "force_split=1,partition=40"),
+                                          (64, "threads=256"), (80, ""), (130, "")])
+def test_decode_reads_kv_once_per_group(monkeypatch, group, config):
+    # The emulator counts the bytes the kernels' load helpers read from the two caches. Every live
+    # KV token must be read exactly once for a group of up to 64 heads (before the shared-KV kernel,
+    # group 16 read it twice, group 64 eight times), and once per 64-head chunk beyond that.
+    if config:
+        monkeypatch.setenv("PAGED_CUDA_CONFIG", config)
+    lens, kv_heads, head_size = [1, 16, 65, 131], 2, 64
+    case = make_case(lens, num_heads=group * kv_heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
+                     dtype=torch.float16, seed=group)
+    out = nan_like(case.query)
+    read = torch.ops.paged_cuda_emu.decode_kv_bytes_read(*case.decode_args(out))
+    assert_close(out, case.reference_prefill(), case.dtype)
+    once = 2 * sum(lens) * kv_heads * head_size * case.key_cache.element_size()  # K and V of live tokens
+    assert read == once * -(-group // 64)
 
 
 def test_decode_strided_query_out():

@@ -76,6 +76,22 @@ def test_decode_paths_fp8(monkeypatch, device, split, cache_dtype, scale_kind):
     check_decode(to_device(case, device))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", "threads=256,kv_tile=32", ""])
+@pytest.mark.parametrize("group,head_size,dtype,cache_dtype", [
+    (16, 128, torch.bfloat16, None), (32, 64, torch.float16, torch.float8_e4m3fn), (64, 256, torch.float32, None),
+    (80, 128, torch.bfloat16, torch.float8_e5m2)])
+def test_decode_large_group(monkeypatch, device, split, group, head_size, dtype, cache_dtype):
+    # Groups > 8: the shared-KV kernel (cp.async staging, several warp tiles per block; > 64 heads
+    # in head chunks), one-pass and split-KV, with lengths around the 64-token staging chunk.
+    if split:
+        monkeypatch.setenv("PAGED_CUDA_CONFIG", split)
+    case = make_case([1, 63, 64, 65, 129, 2000], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
+                     block_size=16, dtype=dtype, cache_dtype=cache_dtype, scale_kind="head",
+                     layout=("NHD", "HND")[group % 3 == 1], seed=group)
+    check_decode(to_device(case, device))
+
+
 PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2], bool(i % 4))
                 for i, (bs, g) in enumerate(itertools.product((1, 3, 16), GROUPS))]
 

@@ -10,7 +10,7 @@ namespace paged_cuda {
 struct LaunchConfig {
   int threads = 0;         // threads per block (multiple of 32)
   int partition_size = 0;  // decode: KV tokens per split-KV partition; < 0 forces the one-pass kernel
-  int kv_tile = 0;         // prefill: KV tokens per shared-memory tile
+  int kv_tile = 0;         // prefill, and decode for query groups > 8: KV tokens per shared-memory tile
   int force_split = 0;     // decode: 1 = always split-KV (tests), 0 = heuristic
   int tensor_cores = 0;    // prefill: 1 / 0 (default) = mma.sync path for fp16/bf16, -1 = CUDA cores
 };
