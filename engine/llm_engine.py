@@ -87,7 +87,9 @@ class _Request:
 class LLM:
     """A model plus a paged KV cache, scheduler and block manager. Arguments as in vLLM;
     the KV pool is num_kv_blocks blocks if given, else sized from kv_cache_memory_bytes (CPU,
-    default 1 GiB) or gpu_memory_utilization (CUDA)."""
+    default 1 GiB) or gpu_memory_utilization (CUDA). model_impl: "native" (engine/models: Llama,
+    Mistral, Qwen2), "transformers" (any decoder, through transformers' attention interface) or
+    "auto" (native where it exists), as vLLM's option of that name."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str | None = None, block_size: int = 16,
                  num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
@@ -95,7 +97,7 @@ class LLM:
                  max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
                  enable_chunked_prefill: bool = True, kv_cache_dtype: str = "auto",
                  preemption_mode: str = "recompute", swap_space_bytes: int = 1 << 30,
-                 num_cpu_blocks: int | None = None, seed: int = 0):
+                 num_cpu_blocks: int | None = None, seed: int = 0, model_impl: str = "auto"):
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
         if preemption_mode not in ("recompute", "swap"):
@@ -105,14 +107,14 @@ class LLM:
             model, DTYPES[dtype], self.device, block_size, kv_cache_dtype, num_kv_blocks,
             kv_cache_memory_bytes, gpu_memory_utilization,
             num_cpu_blocks if preemption_mode == "swap" else 0,
-            swap_space_bytes if preemption_mode == "swap" else 0, max_num_batched_tokens)
+            swap_space_bytes if preemption_mode == "swap" else 0, max_num_batched_tokens, model_impl)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, self.runner.num_cpu_blocks,
                                           enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    enable_chunked_prefill, preemption_mode)
         self.tokenizer = self._load_tokenizer(model)
         cfg = self.runner.config
-        self.eos_token_ids = self._eos_ids(cfg) | self._eos_ids(self.runner.model.generation_config)
+        self.eos_token_ids = self._eos_ids(cfg) | self._eos_ids(self.runner.generation_config)
         # no sliding-window attention in the ops: stay within the window, where it is exact
         limits = [getattr(cfg, "max_position_embeddings", None), getattr(cfg, "sliding_window", None)]
         self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30

@@ -18,9 +18,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
+from engine.models import llama
 from engine.scheduler import SchedulerOutput
 
 ATTN_IMPLEMENTATION = "paged_ops"  # not "paged": transformers reserves "paged|..." for its own cache
+# "native": engine/models (Llama, Mistral, Qwen2; fused projections); "transformers": any decoder
+# through transformers' attention interface; "auto": native where it exists.
+MODEL_IMPLS = ("auto", "native", "transformers")
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
@@ -66,15 +70,11 @@ def _fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return amax / torch.finfo(dtype).max
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers attention interface: query [1, num_heads, T, D], key/value
-    [1, num_kv_heads, T, D] (after RoPE) -> ([1, T, num_heads, D], None)."""
-    ctx, layer = _CONTEXT, module.layer_idx
-    assert ctx is not None, "paged_ops attention called outside ModelRunner.run"
+def paged_attention(ctx: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Store the step's K/V in layer's cache, attend over the cache. q: [T, num_heads, D];
+    k, v: [T, num_kv_heads, D] (after RoPE) -> [T, num_heads, D]."""
     ops, kv = _ops(), ctx.kv
-    q = query[0].transpose(0, 1).contiguous()  # [T, num_heads, D]
-    k = key[0].transpose(0, 1).contiguous()    # [T, num_kv_heads, D]
-    v = value[0].transpose(0, 1).contiguous()
     kc, vc = kv.key_caches[layer], kv.value_caches[layer]
     if kv.is_fp8 and kv.k_scales[layer] is None:  # no checkpoint scales: calibrate on the first prefill
         kv.k_scales[layer], kv.v_scales[layer] = _fp8_scale(k, kc.dtype), _fp8_scale(v, vc.dtype)
@@ -82,10 +82,19 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling, 
     ops.reshape_and_cache(k, v, kc, vc, ctx.slot_mapping, ks, vs)
     out = torch.empty_like(q)
     if ctx.decode_only:
-        ops.decode_attention(out, q, kc, vc, ctx.block_tables, ctx.seq_lens, scaling, ks, vs)
+        ops.decode_attention(out, q, kc, vc, ctx.block_tables, ctx.seq_lens, scale, ks, vs)
     else:
         ops.prefill_attention(out, q, kc, vc, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens,
-                              ctx.max_seqlen_q, scaling, True, ks, vs)
+                              ctx.max_seqlen_q, scale, True, ks, vs)
+    return out
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention interface: query [1, num_heads, T, D], key/value
+    [1, num_kv_heads, T, D] (after RoPE) -> ([1, T, num_heads, D], None)."""
+    assert _CONTEXT is not None, "paged_ops attention called outside ModelRunner.run"
+    to_tokens = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  [T, heads, D]
+    out = paged_attention(_CONTEXT, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling)
     return out.unsqueeze(0), None
 
 
@@ -115,14 +124,22 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
                  num_cpu_blocks: int | None = None, swap_space_bytes: int = 0,
-                 max_num_batched_tokens: int = 2048):
+                 max_num_batched_tokens: int = 2048, model_impl: str = "auto"):
         if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be 'auto' or one of {list(KV_CACHE_DTYPES)}")
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {model_impl!r}")
         self.device, self.block_size = device, block_size
         self.config = AutoConfig.from_pretrained(model_dir)
-        self.model = AutoModelForCausalLM.from_pretrained(
+        hf_model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION).to(device).eval()
-        self.decoder = getattr(self.model, self.model.base_model_prefix)  # the model without lm_head
+        self.generation_config = hf_model.generation_config
+        native = type(hf_model).__name__ in llama.ARCHITECTURES
+        if model_impl == "native" and not native:
+            raise ValueError(f"model_impl='native' supports {llama.ARCHITECTURES}, not {type(hf_model).__name__}")
+        self.model_impl = "native" if native and model_impl != "transformers" else "transformers"
+        self.model = llama.LlamaForCausalLM.from_hf(hf_model) if self.model_impl == "native" else hf_model
+        del hf_model  # the native model fused q/k/v and gate/up: the originals are freed here
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -217,11 +234,15 @@ class ModelRunner:
         global _CONTEXT
         self._move_blocks(out)
         input_ids, positions, meta, sample_rows = self.prepare(out)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        if self.model_impl == "native":
+            hidden = self.model(input_ids, positions, functools.partial(paged_attention, meta))  # [T, hidden]
+            return self.model.logits(hidden[rows]).float()  # [num_sample, vocab]
         _CONTEXT = meta
         try:
-            hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None],
-                                  use_cache=False).last_hidden_state[0]  # [T, hidden]
+            decoder = getattr(self.model, self.model.base_model_prefix)  # the model without lm_head
+            hidden = decoder(input_ids=input_ids[None], position_ids=positions[None],
+                             use_cache=False).last_hidden_state[0]  # [T, hidden]
         finally:
             _CONTEXT = None
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return self.model.get_output_embeddings()(hidden[rows]).float()  # [num_sample, vocab]

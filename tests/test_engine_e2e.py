@@ -46,10 +46,13 @@ def tokens(outs):
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
 @pytest.mark.parametrize("arch, block_size", [("llama", 1), ("llama", 16), ("qwen2", 1), ("qwen2", 16),
                                               ("mistral", 16)])  # mistral is llama-shaped: one size
-def test_greedy_matches_transformers(ckpt, ref, arch, block_size):
-    llm, outs = run(ckpt(arch), block_size=block_size, num_kv_blocks=512 // block_size, enable_prefix_caching=False)
+def test_greedy_matches_transformers(ckpt, ref, arch, block_size, model_impl):
+    llm, outs = run(ckpt(arch), block_size=block_size, num_kv_blocks=512 // block_size, enable_prefix_caching=False,
+                    model_impl=model_impl)
+    assert llm.runner.model_impl == model_impl
     assert tokens(outs) == ref(arch)
     assert all(o.outputs[0].finish_reason == "length" and o.error is None for o in outs)
     assert llm.last_stats.output_tokens == MAX_TOKENS * len(PROMPTS)
@@ -196,3 +199,17 @@ def test_cli_generate(ckpt, capsys):
           "--num-kv-blocks", "32"])
     out = capsys.readouterr().out
     assert "[0.0] length" in out and "[1.0] length" in out and "tok/s" in out
+
+
+def test_model_impl_auto_and_errors(ckpt, tmp_path):
+    assert LLM(ckpt("qwen2"), num_kv_blocks=8).runner.model_impl == "native"
+    with pytest.raises(ValueError, match="model_impl"):
+        LLM(ckpt("llama"), num_kv_blocks=8, model_impl="vllm")
+    # an architecture without a native implementation runs through transformers' modeling code
+    from transformers import AutoModelForCausalLM, Phi3Config
+    from engine.demo import TINY
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(Phi3Config(**TINY)).save_pretrained(tmp_path)
+    assert LLM(str(tmp_path), num_kv_blocks=8).runner.model_impl == "transformers"
+    with pytest.raises(ValueError, match="model_impl='native'"):
+        LLM(str(tmp_path), num_kv_blocks=8, model_impl="native")

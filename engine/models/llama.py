@@ -1,0 +1,107 @@
+"""The Llama family (Llama, Mistral, Qwen2) written for one flattened varlen batch per step.
+
+Same math as transformers' modeling code, in the order it does it (so greedy outputs stay
+token-for-token equal to ``generate``), minus what a serving step does not need: q/k/v are one
+matmul, gate/up are one matmul, there are no masks, no cache objects and no [batch, seq] axes.
+On the tiny benchmark model transformers' per-module Python cost ~4 ms of a ~20 ms decode step;
+this is why the engine prefers this path for these architectures (see engine/README.md).
+
+Weights come from the transformers model loaded from the checkpoint (``from_hf``): its loader
+already handles sharding, tied embeddings and dtypes, and its rotary module every RoPE scaling
+variant, so nothing here parses checkpoint files or re-implements RoPE scaling.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+# attention(layer_idx, q [T, H, D], k [T, KVH, D], v [T, KVH, D], scale) -> [T, H, D]
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # in float32, then back to the model dtype before the weight, as LlamaRMSNorm does
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D]
+    return x * cos + rotate_half(x) * sin
+
+
+def fuse(*linears: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the given Linears' outputs concatenated."""
+    w = torch.cat([lin.weight.detach() for lin in linears])
+    has_bias = linears[0].bias is not None
+    fused = nn.Linear(w.shape[1], w.shape[0], bias=has_bias, device=w.device, dtype=w.dtype)
+    fused.weight.data.copy_(w)
+    if has_bias:
+        fused.bias.data.copy_(torch.cat([lin.bias.detach() for lin in linears]))
+    return fused
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_layer, config):
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_size, self.scale = attn.head_dim, attn.scaling
+        self.qkv_proj, self.o_proj = fuse(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj
+        self.gate_up_proj, self.down_proj = fuse(mlp.gate_proj, mlp.up_proj), mlp.down_proj
+        self.act = ACT2FN[config.hidden_act]
+        self.input_norm = hf_layer.input_layernorm.weight
+        self.post_attention_norm = hf_layer.post_attention_layernorm.weight
+        self.eps = config.rms_norm_eps
+
+    def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: Attention) -> torch.Tensor:
+        # x: [T, hidden]
+        T, D = x.shape[0], self.head_size
+        q, k, v = self.qkv_proj(rms_norm(x, self.input_norm, self.eps)).split(
+            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, D), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, D), cos, sin)
+        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale)  # [T, H, D]
+        x = x + self.o_proj(o.reshape(T, -1))
+        gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down_proj(self.act(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], attention) -> hidden [T, hidden]``; ``logits(hidden)``."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        cfg, base = hf_model.config, hf_model.model
+        self.embed_tokens, self.rotary = base.embed_tokens, base.rotary_emb
+        self.layers = nn.ModuleList(DecoderLayer(layer, cfg) for layer in base.layers)
+        self.norm, self.eps = base.norm.weight, cfg.rms_norm_eps
+        self.lm_head = hf_model.lm_head
+
+    @classmethod
+    def from_hf(cls, hf_model) -> "LlamaForCausalLM":
+        if type(hf_model).__name__ not in ARCHITECTURES:
+            raise ValueError(f"{type(hf_model).__name__} is not one of {ARCHITECTURES}")
+        return cls(hf_model).eval()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(x, positions[None])  # [1, T, D] each, in x's dtype
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D]
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, cos, sin, attention)
+        return rms_norm(x, self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
