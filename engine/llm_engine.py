@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 
 from engine.block_manager import BlockManager
 from engine.model_runner import ModelRunner
-from engine.sampler import sample
+from engine.sampler import greedy, sample
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Sequence
@@ -192,7 +192,7 @@ class LLM:
         stats.kv_tokens_stored += bm.num_tokens_in_use
         stats.kv_slots_allocated += bm.num_used_blocks * bm.block_size
         logits = self.runner.run(out)
-        greedy = logits.argmax(-1).tolist()  # one device sync for all greedy rows
+        greedy_ids = greedy(logits).tolist()  # one device sync for all greedy rows
         finished = []
         for row, seq in enumerate(self.scheduler.postprocess(out)):
             req = requests[seq.request_id]
@@ -203,7 +203,7 @@ class LLM:
                 samples.append(child)
             for s in samples:
                 p = s.sampling_params
-                s.append_token(greedy[row] if p.temperature == 0 else sample(logits[row], p, s.generator))
+                s.append_token(greedy_ids[row] if p.temperature == 0 else sample(logits[row], p, s.generator))
                 if reason := self._finish_reason(s):
                     self.scheduler.finish(s, reason)
                     finished.append(s)

@@ -19,6 +19,7 @@ import torch
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from engine.models import llama
+from engine.models.packed_linear import can_pack, pack_linears
 from engine.scheduler import SchedulerOutput
 
 ATTN_IMPLEMENTATION = "paged_ops"  # not "paged": transformers reserves "paged|..." for its own cache
@@ -140,6 +141,7 @@ class ModelRunner:
         self.model_impl = "native" if native and model_impl != "transformers" else "transformers"
         self.model = llama.LlamaForCausalLM.from_hf(hf_model) if self.model_impl == "native" else hf_model
         del hf_model  # the native model fused q/k/v and gate/up: the originals are freed here
+        self.packed_linears = pack_linears(self.model) if can_pack(dtype, device) else 0
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -20,6 +20,21 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+def greedy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """``logits.argmax(-1)`` (first maximum on ties) for logits [rows, vocab], in two steps: the
+    first chunk holding the row's maximum (vectorized ``amax``), then the argmax inside it. On
+    CPU torch's argmax over a long row runs scalar: 1.6 ms against 0.15 ms for this on the
+    64 x 32000 logits of a benchmark step, ~8% of the step."""
+    rows, vocab = logits.shape
+    if rows == 0:  # a step of only partial prefill chunks samples nothing
+        return logits.argmax(-1)
+    pad = -vocab % chunk
+    x = torch.nn.functional.pad(logits, (0, pad), value=float("-inf")) if pad else logits
+    x = x.view(rows, -1, chunk)
+    best = x.amax(-1).argmax(-1)  # [rows]: argmax returns the first chunk with the maximum
+    return best * chunk + x[torch.arange(rows, device=x.device), best].argmax(-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """One token id from one row of logits [vocab] (float32)."""
     if params.temperature == 0:
