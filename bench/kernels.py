@@ -108,7 +108,8 @@ def cases(profile: str) -> list[Case]:
                 + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small)])
     if profile == "gpu":  # device_check.sh: ~3 minutes for cuda + triton, Triton JIT and tuning included
         few = (1, 16, 256)
-        return (_sweeps(dec, contexts=(1024, 32768), batches=(128,), kv_heads=(32,), dtypes=("fp8_e4m3",))
+        # kv_heads 2 and 1: groups 16 and 32, the CUDA decode's shared-KV kernel (one block per KV head)
+        return (_sweeps(dec, contexts=(1024, 32768), batches=(128,), kv_heads=(32, 2, 1), dtypes=("fp8_e4m3",))
                 + _sweeps(Case("prefill_attention", "base", num_seqs=8, context_len=2048), contexts=(8192,),
                           dtypes=("float16",))
                 + _sweeps(Case("reshape_and_cache", "base", num_seqs=32, context_len=1024), few, dtypes=("fp8_e4m3",))
