@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -168,6 +169,111 @@ def test_quantize_dequantize_fp8_bit_identical(fp8_dtype, dtype):
     cpu.dequantize_fp8(y, q, scale)
     reference.dequantize_fp8(y_ref, q, scale)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0, equal_nan=True)  # NaN payloads may differ
+
+
+# The fp8 quantization is vectorized (AVX2, 8 or 32 lanes, scalar tail): every input below goes
+# through it and must give the reference's bytes exactly, NaN bytes included (0x7F | sign, as
+# torch's cast). Scales: 1 and 2^-5 take the multiply-by-exact-reciprocal path, 0.37 and 3 the
+# true division, 1e-40 (a subnormal: its reciprocal overflows) the division too.
+QUANT_SCALES = (1.0, 0.37, 2.0 ** -5, 3.0, 1e-40)
+
+
+def every_16bit_value(dtype: torch.dtype) -> torch.Tensor:
+    """All 65536 fp16 or bf16 bit patterns: zeros, subnormals, normals, infinities, NaNs."""
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def fp8_rounding_probes(fp8_dtype: torch.dtype) -> torch.Tensor:
+    """float32 values at every fp8 grid point and every rounding tie between neighbours (the
+    one above the largest finite value too), each with its float32 neighbours, both signs, plus
+    +-inf."""
+    grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].double().unique()  # ascending, 0 included
+    step = grid[-1] - grid[-2]
+    ties = torch.cat([(grid[1:] + grid[:-1]) / 2, grid[-1:] + step / 2])  # exact in float32
+    v = torch.cat([grid, ties]).float()
+    v = torch.cat([v, torch.nextafter(v, torch.full_like(v, math.inf)), torch.nextafter(v, torch.zeros_like(v))])
+    v = torch.cat([v, -v, torch.tensor([math.inf, -math.inf])])
+    return v
+
+
+def random_fp32_probes(n: int = 1 << 18) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1234)
+    bits = torch.randint(-(2 ** 31), 2 ** 31, (n,), dtype=torch.int64, generator=g).to(torch.int32)
+    normal = torch.randn(n, generator=g) * torch.logspace(-12, 6, n, base=2.0)[torch.randperm(n, generator=g)]
+    return torch.cat([bits.view(torch.float32), normal])
+
+
+def quantize_both(x: torch.Tensor, fp8_dtype: torch.dtype, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    s = torch.tensor([scale], dtype=torch.float32)
+    got, want = poison(torch.empty_like(x, dtype=fp8_dtype)), poison(torch.empty_like(x, dtype=fp8_dtype))
+    cpu.quantize_fp8(got, x, s)
+    reference.quantize_fp8(want, x, s)
+    return got.view(torch.uint8), want.view(torch.uint8)
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> None:
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, (f"{bad.numel()} bytes differ, e.g. input {x.flatten()[bad[:4]].tolist()} "
+                              f"(bits {[hex(b) for b in x.flatten()[bad[:4]].float().view(torch.int32).tolist()]}): "
+                              f"got {got.flatten()[bad[:4]].tolist()}, want {want.flatten()[bad[:4]].tolist()}")
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+@pytest.mark.parametrize("scale", QUANT_SCALES)
+def test_quantize_fp8_every_16bit_input(fp8_dtype, dtype, scale):
+    x = every_16bit_value(dtype)
+    x = torch.cat([x, x[12345:12345 + 13]])  # 65549: a length that leaves an 8-lane and a scalar tail
+    got, want = quantize_both(x, fp8_dtype, scale)
+    assert_same_bytes(got, want, x)
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("scale", QUANT_SCALES)
+def test_quantize_fp8_fp32_ties_and_random(fp8_dtype, scale):
+    ties = fp8_rounding_probes(fp8_dtype)
+    # scaled so that x / scale lands on the ties again (exact for these scales but 0.37 and 1e-40)
+    x = torch.cat([ties * scale if scale != 1e-40 else ties, random_fp32_probes()])
+    got, want = quantize_both(x, fp8_dtype, scale)
+    assert_same_bytes(got, want, x)
+
+def test_fp8_rounding_probes_hit_the_ties():
+    for fp8_dtype in FP8:
+        grid = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).float()
+        grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # byte k is grid[k]
+        n = grid.numel()
+        ties = fp8_rounding_probes(fp8_dtype)[n:2 * n - 1]  # the n - 1 ties between neighbours
+        assert torch.equal(ties.double(), (grid[1:].double() + grid[:-1].double()) / 2)
+        got, _ = quantize_both(ties, fp8_dtype, 1.0)
+        assert (got & 1 == 0).all(), "a tie must round to the even mantissa"
+        k = torch.arange(n - 1)
+        assert ((got == k) | (got == k + 1)).all()
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_fp8_every_input(fp8_dtype, dtype):
+    """Every 16-bit pattern (fp16/bf16) or the fp32 probes as K and V rows, per-head scales that
+    take both the division and the exact-reciprocal paths, head_size 40 (a 32-lane step + an
+    8-lane step per row)."""
+    if dtype == torch.float32:
+        x = torch.cat([fp8_rounding_probes(fp8_dtype), random_fp32_probes(1 << 14)])
+    else:
+        x = every_16bit_value(dtype)
+    kvh, d, block_size = 4, 40, 16
+    tokens = -(-x.numel() // (kvh * d))
+    x = torch.cat([x, x[: tokens * kvh * d - x.numel()]]).view(tokens, kvh, d)
+    num_blocks = -(-tokens // block_size) + 1
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(7))[:tokens]
+    k_scale, v_scale = torch.tensor([0.37, 1.0, 2.0 ** -5, 3.0]), torch.tensor([1.0, 1e-40, 0.37, 2.0 ** 7])
+    got = [empty_cache(num_blocks, block_size, kvh, d, fp8_dtype) for _ in range(2)]
+    want = [empty_cache(num_blocks, block_size, kvh, d, fp8_dtype) for _ in range(2)]
+    value = x.flip(0)
+    cpu.reshape_and_cache(x, value, *got, slots, k_scale, v_scale)
+    reference.reshape_and_cache(x, value, *want, slots, k_scale, v_scale)
+    for g, w in zip(got, want):
+        assert_same_bytes(g.view(torch.uint8), w.view(torch.uint8), g)
 
 
 # --- copy_blocks / swap_blocks ----------------------------------------------------------

@@ -39,7 +39,7 @@ void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
       const IT* src = input.data_ptr<IT>();
       OT* dst = out.data_ptr<OT>();
       at::parallel_for(0, n, 1 << 14, [&](int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) dst[i] = saturating_fp8<OT>(static_cast<float>(src[i]), s);
+        quantize_row(src + b, dst + b, e - b, s);
       });
     });
   });

@@ -32,8 +32,7 @@ void scatter(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTens
         const XT* in = src + t * xt + h * xh;
         CT* o = row + h * sh;
         if constexpr (is_fp8_v<CT>) {
-          const float s = scales[per_head ? h : 0];
-          for (int64_t d = 0; d < D; ++d) o[d] = saturating_fp8<CT>(static_cast<float>(in[d]), s);
+          quantize_row(in, o, D, scales[per_head ? h : 0]);
         } else {
           std::memcpy(o, in, D * sizeof(CT));  // validated: same dtype
         }
