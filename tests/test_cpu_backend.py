@@ -253,6 +253,24 @@ def test_fp8_rounding_probes_hit_the_ties():
 
 @pytest.mark.parametrize("fp8_dtype", FP8)
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantize_fp8_every_byte(fp8_dtype, dtype):
+    """Every fp8 byte, times scales that keep it exact, round it, overflow fp16 or make fp16/bf16
+    subnormals, into each float dtype: the reference's bits exactly (NaN: NaN, either sign)."""
+    q = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3)[:-5].view(fp8_dtype)  # 763: tails
+    for scale in (1.0, 0.37, 1e6, 3e-35, 2.0 ** -20, 1 + 2.0 ** -8, 1 + 2.0 ** -11):  # the last two: ties
+        s = torch.tensor([scale])
+        got, want = nan_like(q.float()).to(dtype), nan_like(q.float()).to(dtype)
+        cpu.dequantize_fp8(got, q, s)
+        reference.dequantize_fp8(want, q, s)
+        both_nan = got.isnan() & want.isnan()
+        bits = torch.int32 if dtype == torch.float32 else torch.int16
+        same = got.view(bits) == want.view(bits)
+        assert (same | both_nan).all(), (scale, q.view(torch.uint8)[~(same | both_nan)][:4].tolist(),
+                                         got[~(same | both_nan)][:4].tolist(), want[~(same | both_nan)][:4].tolist())
+
+
+@pytest.mark.parametrize("fp8_dtype", FP8)
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_reshape_and_cache_fp8_every_input(fp8_dtype, dtype):
     """Every 16-bit pattern (fp16/bf16) or the fp32 probes as K and V rows, per-head scales that
     take both the division and the exact-reciprocal paths, head_size 40 (a 32-lane step + an

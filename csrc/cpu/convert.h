@@ -123,6 +123,35 @@ inline __m256i fp8_bits8(__m256 y) {
   return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
 }
 
+// Eight floats into any of the float storage dtypes, rounding as c10's casts do (RNE; NaN
+// stays NaN, bf16's as c10's 0x7FC0).
+inline void store8_float(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8_float(c10::Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline __m256i bf16_bits8(__m256 v) {  // c10's round_to_nearest_even, one per 32-bit lane
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i bias = _mm256_add_epi32(_mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)),
+                                        _mm256_set1_epi32(0x7FFF));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+inline void store8_float(c10::BFloat16* p, __m256 v) {
+  const __m256i r = bf16_bits8(v);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+// Sixteen at a time: one pack and one 32-byte store for two vectors.
+template <typename T>
+inline void store16_float(T* p, __m256 a, __m256 b) {
+  store8_float(p, a);
+  store8_float(p + 8, b);
+}
+inline void store16_float(c10::BFloat16* p, __m256 a, __m256 b) {
+  const __m256i words = _mm256_packus_epi32(bf16_bits8(a), bf16_bits8(b));  // a0-3 b0-3 | a4-7 b4-7
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(words, 0xD8));
+}
+
 template <typename T, bool kMul>
 inline __m256i fp8_bits8(__m256 x, __m256 s) {
   return fp8_bits8<T>(kMul ? _mm256_mul_ps(x, s) : _mm256_div_ps(x, s));

@@ -27,17 +27,16 @@ struct Vec8 {
     return {_mm256_cvtph_ps(_mm_slli_epi16(bytes, 8))};
   }
   // e4m3fn's exponent and mantissa, placed in an fp16's low exponent and high mantissa bits, read
-  // as that fp16 times 2^8 (bias 15 vs 7) — exact for normals and subnormals alike. 0x7F/0xFF
-  // are e4m3fn's NaN (it has no infinities).
+  // as that fp16 times 2^8 (bias 15 vs 7) — exact for normals and subnormals alike. With the byte
+  // in a word's high half, an arithmetic shift by one puts them there and copies the sign into
+  // the exponent's top bit, which the mask clears. 0x7F/0xFF are e4m3fn's NaN (it has no
+  // infinities): their fp16 gets an all-ones exponent (its mantissa is nonzero), a NaN of the same sign.
   static Vec8 load(const c10::Float8_e4m3fn* p) {
-    const __m128i bytes = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i magnitude = _mm_and_si128(bytes, _mm_set1_epi16(0x7F));
-    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(bytes, _mm_set1_epi16(0x80)), 8),
-                                      _mm_slli_epi16(magnitude, 7));
-    const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.f));
-    const __m256 is_nan = _mm256_castsi256_ps(
-        _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7F))));
-    return {_mm256_blendv_ps(value, _mm256_set1_ps(std::numeric_limits<float>::quiet_NaN()), is_nan)};
+    const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(int16_t(0xBFFF)));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_slli_epi16(high, 1), _mm_set1_epi16(int16_t(0xFE00)));
+    const __m128i fixed = _mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
+    return {_mm256_mul_ps(_mm256_cvtph_ps(fixed), _mm256_set1_ps(256.f))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   Vec8 fma(Vec8 a, Vec8 b) const { return {_mm256_fmadd_ps(a.v, b.v, v)}; }  // this + a * b
