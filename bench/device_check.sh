@@ -4,10 +4,10 @@
 #   bash bench/device_check.sh
 #
 # With a GPU: build with the CUDA kernels (arch 90), run the CUDA/Triton GPU tests, compute-sanitizer
-# memcheck over the CUDA tests, then the GPU kernel benchmarks (decode 32 seqs x 8k tokens, 32/8 heads,
+# memcheck over the CUDA tests, the engine's end-to-end tests on the GPU, then the GPU kernel benchmarks (decode 32 seqs x 8k tokens, 32/8 heads,
 # d128, bf16 block sweep; cuda and triton vs device copy bandwidth, bf16 matmul, FlexAttention paged
 # decode; prefill vs SDPA flash). Without a GPU: the small CPU benchmarks only.
-# Every step has a time limit (BUILD_S 180 + TESTS_S 100 + MEMCHECK_S 45 + BENCH_S 150 s: under 8 minutes); results (JSON, PNG) and logs go to
+# Every step has a time limit (BUILD_S 150 + TESTS_S 100 + MEMCHECK_S 45 + ENGINE_S 40 + BENCH_S 150 s: under 8 minutes); results (JSON, PNG) and logs go to
 # bench/results/device-check-<UTC time>/ and
 # are copied to $OUT when it is set. Exit status: non-zero if any step failed.
 set -uo pipefail
@@ -45,7 +45,7 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     "$PY" -c "import torch; print('GPU:', torch.cuda.get_device_name(0), '| torch', torch.__version__)"
     export PAGED_OPS_CUDA=on PAGED_OPS_CUDA_ARCHS=${PAGED_OPS_CUDA_ARCHS:-90} TRITON_INTERPRET=0
     # no network on the device machine: build with what is installed, fetch nothing
-    step build "${BUILD_S:-180}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+    step build "${BUILD_S:-150}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     GPU_TESTS=$(ls tests/test_cuda_gpu.py tests/test_triton.py 2>/dev/null)
     step gpu-tests "${TESTS_S:-100}" "$PY" -m pytest -q -x -p no:cacheprovider $GPU_TESTS
     if command -v compute-sanitizer >/dev/null; then
@@ -56,6 +56,8 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     else
         SUMMARY+=("$(printf '%-16s %-14s' memcheck 'SKIPPED (no compute-sanitizer on PATH)')")
     fi
+    # the engine picks CUDA when it is there: its greedy outputs against transformers' (CPU) generate
+    step engine-gpu "${ENGINE_S:-40}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_engine_e2e.py
     step kernel-bench "${BENCH_S:-150}" env PAGED_BENCH_PROFILE=gpu PAGED_BENCH_RESULTS="$LOGS" "$PY" -m pytest -q -p no:cacheprovider \
         bench/test_kernels.py bench/test_references.py --benchmark-enable
 else
