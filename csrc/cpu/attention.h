@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec8.h"
@@ -80,6 +81,22 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// How the micro-kernels read a cache dtype: as itself, except e4m3fn, read as fp16 (its value /
+// 2^8, kUnit, which the scales take) and, in tiles without NaN bytes, through the widening that
+// skips the NaN fix-up (per byte read, the fp8 cache was compute-bound on the widening).
+template <typename CT>
+struct CacheRead {
+  using Exact = CT;
+  using Finite = CT;
+  static constexpr float kUnit = 1.f;
+};
+template <>
+struct CacheRead<c10::Float8_e4m3fn> {
+  using Exact = E4m3Half;
+  using Finite = E4m3HalfFinite;
+  static constexpr float kUnit = 256.f;
+};
+
 inline float head_scale(const float* scale, bool per_head, int head) {
   return scale == nullptr ? 1.f : scale[per_head ? head : 0];
 }
@@ -107,8 +124,8 @@ struct Prefetch {
 
 // s[r][j] = q[r] . k[j] for R query rows and the n tokens of a tile, reading K straight from the
 // cache. Two tokens at a time: 2R independent FMA chains, and each q chunk is loaded once per pair.
-template <int R, typename CT>
-inline void qk_block(const float* q, int D, const CT* const* k, int n, float* s, const Prefetch<CT>& next) {
+template <int R, typename CT, typename P>
+inline void qk_block(const float* q, int D, const CT* const* k, int n, float* s, const P& next) {
   int j = 0;
   for (; j + 2 <= n; j += 2) {
     next.rows(j, 2);
@@ -179,9 +196,10 @@ inline void for_row_blocks(int rows, Args&&... args) {
 
 template <int R, typename CT>
 struct QK {
-  static void run(int r, const float* q, int D, const CT* const* k, int n, float* s, const Prefetch<CT>& next) {
+  template <typename P>
+  static void run(int r, const float* q, int D, const CT* const* k, int n, float* s, const P& next) {
     // Only the first row block issues the next tile's prefetches: once is enough.
-    qk_block<R, CT>(q + size_t(r) * D, D, k, n, s + r * kTileTokens, r == 0 ? next : Prefetch<CT>{});
+    qk_block<R, CT>(q + size_t(r) * D, D, k, n, s + r * kTileTokens, r == 0 ? next : P{});
   }
 };
 
@@ -220,7 +238,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   for (int hl = 0; hl < heads; ++hl) {
     const int kv_head = t.kv_head_begin + hl;
     // k_scale folds into the query (and v_scale into the output): both are per KV head.
-    const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, kv_head);
+    const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
     for (int r = 0; r < rows; ++r) {
       const int token = t.q_begin + r / group, head = kv_head * group + r % group;
       float* q = &w.q[(size_t(hl) * rows + r) * D];
@@ -237,8 +255,21 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const int32_t* table = p.block_tables + int64_t(t.seq) * p.max_blocks_per_seq;
   const CT* k_tokens[2][kTileTokens];  // each token's head-0 row, for this tile and the next
   const CT* v_tokens[2][kTileTokens];
-  const CT* k_rows[kTileTokens];  // the rows of the head being computed
-  const CT* v_rows[kTileTokens];
+  using Exact = typename CacheRead<CT>::Exact;
+  using Finite = typename CacheRead<CT>::Finite;
+  const Exact* k_rows[kTileTokens];  // the rows of the head being computed
+  const Exact* v_rows[kTileTokens];
+  const Finite* finite_rows[kTileTokens];
+  // The tile's rows as Finite when none holds a NaN byte, else nullptr (read them as Exact).
+  auto as_finite = [&](const Exact* const* rows, int n) -> const Finite* const* {
+    if constexpr (std::is_same_v<Exact, Finite>) {
+      return rows;
+    } else {
+      if (any_e4m3_nan(rows, n, D)) return nullptr;
+      for (int j = 0; j < n; ++j) finite_rows[j] = reinterpret_cast<const Finite*>(rows[j]);
+      return finite_rows;
+    }
+  };
   const int64_t row_bytes = int64_t(D) * sizeof(CT);
   auto locate = [&](int j0, int slot) {
     for (int j = 0; j < kTileTokens && j0 + j < kv_stop; ++j) {
@@ -261,8 +292,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     for (int hl = 0; hl < heads; ++hl) {
       const int64_t h = t.kv_head_begin + hl;
       for (int j = 0; j < n; ++j) {
-        k_rows[j] = k_tokens[slot][j] + h * p.k_stride_head;
-        v_rows[j] = v_tokens[slot][j] + h * p.v_stride_head;
+        k_rows[j] = reinterpret_cast<const Exact*>(k_tokens[slot][j] + h * p.k_stride_head);
+        v_rows[j] = reinterpret_cast<const Exact*>(v_tokens[slot][j] + h * p.v_stride_head);
       }
       const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
                               (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
@@ -270,19 +301,29 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       float* acc = &w.acc[size_t(hl) * rows * D];
       float* m = &w.m[hl * rows];
       float* l = &w.l[hl * rows];
-      for_row_blocks<QK, CT>(rows, q, D, k_rows, n, w.s.data(), next);
+      if (const Finite* const* k_fast = as_finite(k_rows, n))
+        for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
+      else
+        for_row_blocks<QK, Exact>(rows, q, D, k_rows, n, w.s.data(), next);
       for (int r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
         float* s = &w.s[size_t(r) * kTileTokens];
         const int visible = std::max(0, std::min(n, w.last_visible[r] - j0 + 1));
         std::fill(s + visible, s + kTileTokens, kNegInf);  // causally hidden, or past the tile
-        Vec8 vmax = Vec8::load(s);
-        for (int c = 8; c < kTileTokens; c += 8) vmax = Vec8::max(vmax, Vec8::load(s + c));
-        const float tile_max = vmax.reduce_max();
+        Vec8 vmax = Vec8::load(s), vsum = vmax;
+        for (int c = 8; c < kTileTokens; c += 8) {
+          vmax = Vec8::max(vmax, Vec8::load(s + c));
+          vsum = vsum + Vec8::load(s + c);
+        }
+        float tile_max = vmax.reduce_max();
+        // A NaN score (a NaN in K, or +inf next to a hidden -inf) makes the row NaN, as in the
+        // reference: the max above may drop NaN, so the sum tells; NaN then flows through m, the
+        // correction, exp and l. +inf alone does too: exp(inf - inf) is NaN.
+        if (std::isnan(vsum.sum())) tile_max = std::numeric_limits<float>::quiet_NaN();
         if (tile_max == kNegInf) {  // the row sees nothing here: contributes nothing
           std::fill(s, s + kTileTokens, 0.f);
           continue;
         }
-        const float m_new = std::max(m[r], tile_max);
+        const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
         const float correction = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
         const Vec8 shift = Vec8::broadcast(m_new);
         Vec8 sum = Vec8::zero();
@@ -296,25 +337,28 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         l[r] = l[r] * correction + sum.sum();
         m[r] = m_new;
       }
-      for_row_blocks<PV, CT>(rows, acc, D, w.s.data(), v_rows, n);
+      if (const Finite* const* v_fast = as_finite(v_rows, n))
+        for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
+      else
+        for_row_blocks<PV, Exact>(rows, acc, D, w.s.data(), v_rows, n);
     }
   }
 
   for (int hl = 0; hl < heads; ++hl) {
     const int kv_head = t.kv_head_begin + hl;
-    const float v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head);
+    const float v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
     for (int r = 0; r < rows; ++r) {
       const int row = hl * rows + r;
       const int token = t.q_begin + r / group, head = kv_head * group + r % group;
       float* acc = &w.acc[size_t(row) * D];
-      const float norm = w.l[row] > 0.f ? v_mul / w.l[row] : 0.f;
+      const float norm = w.l[row] == 0.f ? 0.f : v_mul / w.l[row];  // l is NaN for NaN rows
       for (int d = 0; d < D; ++d) acc[d] *= norm;
       if (t.num_splits == 1) {
         from_float(acc, static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
       } else {
         const int64_t prow = t.partial_offset + row;
         std::copy(acc, acc + D, partial + prow * D);
-        lse[prow] = w.l[row] > 0.f ? w.m[row] + std::log(w.l[row]) : kNegInf;
+        lse[prow] = w.l[row] == 0.f ? kNegInf : w.m[row] + std::log(w.l[row]);  // NaN rows: NaN
       }
     }
   }

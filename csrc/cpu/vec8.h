@@ -7,6 +7,38 @@
 
 namespace paged::cpu {
 
+// An fp8 e4m3fn byte read as an fp16's top bits (bias 15 vs 7): it widens to its value / 2^8,
+// exactly. E4m3HalfFinite: the same, for bytes known not to be NaN (0x7F/0xFF).
+struct E4m3Half {
+  uint8_t bits;
+};
+struct E4m3HalfFinite {
+  uint8_t bits;
+};
+
+// Whether any of the rows' first D bytes is an e4m3fn NaN (0x7F/0xFF). D is a multiple of 8.
+inline bool any_e4m3_nan(const E4m3Half* const* rows, int n, int D) {
+#if defined(__AVX2__)
+  const __m256i mag = _mm256_set1_epi8(0x7F);
+  __m256i top = _mm256_setzero_si256();  // the largest magnitude byte seen, per lane
+  __m128i tail = _mm_setzero_si128();
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* p = &rows[j]->bits;
+    int c = 0;
+    for (; c + 32 <= D; c += 32)
+      top = _mm256_max_epu8(top, _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + c)), mag));
+    for (; c < D; c += 8)
+      tail = _mm_max_epu8(tail, _mm_and_si128(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + c)), _mm256_castsi256_si128(mag)));
+  }
+  return (_mm256_movemask_epi8(_mm256_cmpeq_epi8(top, mag)) | _mm_movemask_epi8(_mm_cmpeq_epi8(tail, _mm256_castsi256_si128(mag)))) != 0;
+#else
+  for (int j = 0; j < n; ++j)
+    for (int c = 0; c < D; ++c)
+      if ((rows[j][c].bits & 0x7F) == 0x7F) return true;
+  return false;
+#endif
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Vec8 {
   __m256 v;
@@ -38,6 +70,20 @@ struct Vec8 {
     const __m128i fixed = _mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
     return {_mm256_mul_ps(_mm256_cvtph_ps(fixed), _mm256_set1_ps(256.f))};
   }
+  // e4m3fn read as the fp16 above without the 2^8 (the attention folds it into its scales):
+  // E4m3Half exactly as that widening, NaN included; E4m3HalfFinite for bytes known to hold no
+  // NaN (0x7F/0xFF), which need no fix-up: the sign-extended byte shifted by 7 is that fp16 but
+  // for a sign copy in the exponent's top bit, which the mask clears.
+  static Vec8 load(const E4m3Half* p) {
+    const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(int16_t(0xBFFF)));
+    const __m128i nan = _mm_cmpeq_epi16(_mm_slli_epi16(high, 1), _mm_set1_epi16(int16_t(0xFE00)));
+    return {_mm256_cvtph_ps(_mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7C00))))};
+  }
+  static Vec8 load(const E4m3HalfFinite* p) {
+    const __m128i wide = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(wide, 7), _mm_set1_epi16(int16_t(0xBFFF))))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   Vec8 fma(Vec8 a, Vec8 b) const { return {_mm256_fmadd_ps(a.v, b.v, v)}; }  // this + a * b
   Vec8 operator+(Vec8 o) const { return {_mm256_add_ps(v, o.v)}; }
@@ -52,7 +98,8 @@ struct Vec8 {
   // masked (-inf) scores give probability 0; the softmax spent a fifth of its time in libm expf.
   static Vec8 exp(Vec8 x) {
     const __m256 underflow = _mm256_cmp_ps(x.v, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-    __m256 a = _mm256_max_ps(_mm256_min_ps(x.v, _mm256_set1_ps(88.37f)), _mm256_set1_ps(-87.3f));
+    // min/max return their second operand when either is NaN: NaN passes the clamp, exp(NaN) = NaN
+    __m256 a = _mm256_max_ps(_mm256_set1_ps(-87.3f), _mm256_min_ps(_mm256_set1_ps(88.37f), x.v));
     const __m256 n = _mm256_round_ps(_mm256_mul_ps(a, _mm256_set1_ps(1.44269504088896341f)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     a = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), a);
@@ -88,6 +135,12 @@ struct Vec8 {
     to_float(p, r.v, 8);
     return r;
   }
+  static Vec8 load(const E4m3Half* p) {  // value / 2^8, exactly
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = fp8_table<c10::Float8_e4m3fn>()[p[i].bits] * (1.f / 256.f);
+    return r;
+  }
+  static Vec8 load(const E4m3HalfFinite* p) { return load(reinterpret_cast<const E4m3Half*>(p)); }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
   Vec8 fma(Vec8 a, Vec8 b) const {
     Vec8 r;
