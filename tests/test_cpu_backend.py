@@ -341,3 +341,34 @@ def test_attention_reads_every_fp8_value(fp8_dtype):
     cpu.decode_attention(out, q, kc, vc, tables, lens, d ** -0.5, k_scale, v_scale)
     reference.decode_attention(ref, q.double(), kc, vc, tables, lens, d ** -0.5, k_scale, v_scale)
     assert_close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("fp8_dtype,byte", [(torch.float8_e4m3fn, 0x7F), (torch.float8_e4m3fn, 0xFF),
+                                            (torch.float8_e5m2, 0x7C), (torch.float8_e5m2, 0xFC),
+                                            (torch.float8_e5m2, 0x7E)])
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_attention_fp8_nan_and_inf_bytes(fp8_dtype, byte, which):
+    """One NaN (e4m3fn 0x7F/0xFF, e5m2 0x7E) or infinity (e5m2 0x7C/0xFC) byte among finite ones:
+    its tile takes the exact widening (e4m3fn tiles without NaN bytes skip the NaN fix-up), and the
+    rows that see it are NaN (a NaN or +inf score, a NaN V) or inf exactly where the reference's
+    are. First, middle and last tile positions; 600 tokens split the sequence's KV across tasks."""
+    num_blocks, block_size, kvh, d, kv_head = 80, 16, 2, 64, 1
+    gen = torch.Generator().manual_seed(byte)
+    for seq_len, pos in ((40, 0), (40, 39), (600, 300), (600, 599)):
+        kc = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(fp8_dtype)
+        vc = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(fp8_dtype)
+        (kc if which == "k" else vc).view(torch.uint8)[pos // block_size, pos % block_size, kv_head, 5] = byte
+        tables = torch.arange(num_blocks, dtype=torch.int32).view(2, 40)
+        lens = torch.tensor([seq_len, 40], dtype=torch.int32)
+        q = torch.randn(2, 8, d, generator=gen)
+        scale = torch.tensor([0.5])
+        out, ref = nan_like(q), torch.empty(q.shape, dtype=torch.float64)
+        cpu.decode_attention(out, q, kc, vc, tables, lens, d ** -0.5, scale, scale)
+        reference.decode_attention(ref, q.double(), kc, vc, tables, lens, d ** -0.5, scale, scale)
+        nan = ref.isnan()
+        assert torch.equal(out.isnan(), nan), (seq_len, pos, out.isnan().any(-1), nan.any(-1))
+        if byte in (0x7F, 0xFF, 0x7E):  # a NaN: every head of the KV head's group sees it
+            assert nan[0, kv_head * 4:].any(-1).all() and not nan[:, :kv_head * 4].any() and not nan[1].any()
+        assert torch.equal(out.isinf(), ref.isinf()), (seq_len, pos)
+        finite = ref.isfinite().all(-1)
+        assert_close(out[finite], ref[finite], torch.float32)
