@@ -17,11 +17,23 @@ CONFIGS = {
 }
 
 
+def randomize_biases_and_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers initializes biases to 0 and norm weights to 1, which would let a model
+    implementation that drops a bias or a norm weight pass an equality test: make them random."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+            elif "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
 def save_tiny_checkpoint(path, arch: str = "llama", seed: int = 0, with_tokenizer: bool = False) -> str:
     """A 2-layer, hidden-64, 4/2-head (GQA), vocab-128 random model saved at path; returns path."""
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[arch](), dtype=torch.float32)
-    model.save_pretrained(path)
+    randomize_biases_and_norms(model).save_pretrained(path)
     if with_tokenizer:
         save_char_tokenizer(path)
     return str(path)

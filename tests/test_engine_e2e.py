@@ -1,6 +1,7 @@
 """End to end: the engine's greedy outputs equal transformers' generate, token for token,
 under every scheduling regime; and every block is free again after each run."""
 import functools
+import random
 
 import pytest
 import torch
@@ -114,9 +115,14 @@ def test_fp8_kv_cache(ckpt, ref, kv_cache_dtype):
     assert all(s is not None and s.dtype == torch.float32 for s in kv.k_scales + kv.v_scales)
     # exact: transformers on K/V rounded through fp8 with the same (first-prefill) scales
     assert tokens(outs) == hf_greedy_fake_fp8(ckpt("llama"), PROMPTS, MAX_TOKENS, fp8, kv.k_scales, kv.v_scales)
-    # and close to the fp32 cache: most first tokens agree (tiny random models have flat logits)
-    agree = sum(t[0] == r[0] for t, r in zip(tokens(outs), ref("llama")))
-    assert agree >= len(PROMPTS) - 1
+    # and close to the fp32 cache. A tiny random model's logits are flat, so rounding K/V to 3 (e4m3)
+    # or 2 (e5m2) mantissa bits flips some first tokens: count over 64 prompts, against a 1/128 chance
+    rng = random.Random(0)
+    prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 40))] for _ in range(64)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    first = lambda **kw: tokens(run(ckpt("llama"), prompts, one, num_kv_blocks=512, **kw)[1])  # noqa: E731
+    agree = sum(a == b for a, b in zip(first(kv_cache_dtype=kv_cache_dtype), first()))
+    assert agree >= {"fp8": 2 / 3, "fp8_e5m2": 1 / 2}[kv_cache_dtype] * len(prompts), agree
 
 
 def test_checkpoint_fp8_scales_are_used(ckpt, tmp_path):
@@ -213,3 +219,18 @@ def test_model_impl_auto_and_errors(ckpt, tmp_path):
     assert LLM(str(tmp_path), num_kv_blocks=8).runner.model_impl == "transformers"
     with pytest.raises(ValueError, match="model_impl='native'"):
         LLM(str(tmp_path), num_kv_blocks=8, model_impl="native")
+
+
+def test_native_llama_variants_match_transformers(tmp_path):
+    # what the native model takes from the transformers model rather than re-implementing:
+    # RoPE scaling (llama3), a head_dim that is not hidden / heads, tied embeddings, biases
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    from engine.demo import TINY, randomize_biases_and_norms
+    cfg = LlamaConfig(**TINY | dict(head_dim=32, tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
+                                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}))
+    torch.manual_seed(0)
+    randomize_biases_and_norms(AutoModelForCausalLM.from_config(cfg)).save_pretrained(tmp_path)
+    prompts = PROMPTS[:3] + [list(range(1, 40))]  # positions past original_max_position_embeddings
+    llm, outs = run(str(tmp_path), prompts, block_size=8, model_impl="native")
+    assert tokens(outs) == hf_greedy(str(tmp_path), prompts, MAX_TOKENS)
