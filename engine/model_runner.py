@@ -1,11 +1,13 @@
 """Runs a Hugging Face decoder on one flattened varlen batch per step, attention through
 ``torch.ops.paged.*``.
 
-We keep transformers' modeling code and plug our attention in through its
-``AttentionInterface`` (``attn_implementation="paged_ops"``): the model sees a batch of one
-"sequence" of all scheduled tokens (``[1, num_tokens]``, real positions in position_ids),
-and our attention function reads the per-step metadata (slots, block tables, cu_seqlens)
-from a module-level context that the runner sets around each forward.
+Two ways to run the decoder (``model_impl``, see engine/README.md). Llama, Mistral and Qwen2 run
+natively (``engine/models/llama.py``: fused projections, ``paged_attention`` called with the
+step's metadata). Any other decoder keeps transformers' modeling code with our attention plugged
+in through its ``AttentionInterface`` (``attn_implementation="paged_ops"``): the model sees a
+batch of one "sequence" of all scheduled tokens (``[1, num_tokens]``, real positions in
+position_ids), and our attention function reads the per-step metadata (slots, block tables,
+cu_seqlens) from a module-level context that the runner sets around each forward.
 """
 from __future__ import annotations
 
