@@ -372,3 +372,24 @@ def test_attention_fp8_nan_and_inf_bytes(fp8_dtype, byte, which):
         assert torch.equal(out.isinf(), ref.isinf()), (seq_len, pos)
         finite = ref.isfinite().all(-1)
         assert_close(out[finite], ref[finite], torch.float32)
+
+
+@pytest.mark.parametrize("seq_len", [40, 600])  # 600: the sequence's KV is split across tasks
+def test_attention_all_minus_inf_keys_give_nan_like_the_reference(seq_len):
+    """Every visible K element -inf (e5m2 0xFC): every score is -inf or NaN, and softmax over only
+    -inf is NaN in the reference; the kernel must not turn it into a zero row."""
+    num_blocks, block_size, kvh, d = 80, 16, 2, 64
+    gen = torch.Generator().manual_seed(seq_len)
+    kc = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(torch.float8_e5m2)
+    vc = torch.randn(num_blocks, block_size, kvh, d, generator=gen).to(torch.float8_e5m2)
+    kc.view(torch.uint8)[:, :, 1] = 0xFC  # KV head 1 only
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(2, 40)
+    lens = torch.tensor([seq_len, 40], dtype=torch.int32)
+    q = torch.rand(2, 8, d, generator=gen) + 0.5  # q > 0: every score is -inf, none NaN
+    scale = torch.tensor([0.5])
+    out, ref = nan_like(q), torch.empty(q.shape, dtype=torch.float64)
+    cpu.decode_attention(out, q, kc, vc, tables, lens, d ** -0.5, scale, scale)
+    reference.decode_attention(ref, q.double(), kc, vc, tables, lens, d ** -0.5, scale, scale)
+    assert ref[:, 4:].isnan().all() and not ref[:, :4].isnan().any()
+    assert torch.equal(out.isnan(), ref.isnan())
+    assert_close(out[:, :4], ref[:, :4], torch.float32)

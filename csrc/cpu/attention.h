@@ -365,7 +365,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       const int row = hl * rows + r;
       const int token = t.q_begin + r / group, head = kv_head * group + r % group;
       float* acc = &w.acc[size_t(row) * D];
-      const float norm = w.l[row] == 0.f ? 0.f : v_mul / w.l[row];  // l is NaN for NaN rows
+      // l == 0: every visible score was -inf (a valid row sees at least one token), and softmax
+      // over only -inf is NaN, as in the reference. l is NaN for NaN rows.
+      const float norm = w.l[row] == 0.f ? std::numeric_limits<float>::quiet_NaN() : v_mul / w.l[row];
       for (int d = 0; d < D; ++d) acc[d] *= norm;
       if (t.num_splits == 1) {
         from_float(acc, static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
