@@ -20,11 +20,11 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(ReshapeCachePara
     const int h = i / chunks, d = (i % chunks) * 8;
     float x[8];
     load8(static_cast<const T*>(p.key) + t * p.key_stride_tok + h * p.key_stride_head + d, x, aligned);
-    const float ks = p.k_scale ? p.k_scale[p.k_scale_per_head ? h : 0] : 1.f;
+    const float ks = cache_scale(p.k_scale, p.k_scale_per_head, h);
     store8(static_cast<C*>(p.key_cache) + blk * p.k_stride_block + off * p.k_stride_tok + h * p.k_stride_head + d, x,
            aligned, ks);
     load8(static_cast<const T*>(p.value) + t * p.value_stride_tok + h * p.value_stride_head + d, x, aligned);
-    const float vs = p.v_scale ? p.v_scale[p.v_scale_per_head ? h : 0] : 1.f;
+    const float vs = cache_scale(p.v_scale, p.v_scale_per_head, h);
     store8(static_cast<C*>(p.value_cache) + blk * p.v_stride_block + off * p.v_stride_tok + h * p.v_stride_head + d,
            x, aligned, vs);
   }

@@ -209,6 +209,11 @@ struct Chunk8 {
   static constexpr int kBytes = 8 * sizeof(T);
 };
 
+// The fp8 scale of KV head `head`: one per tensor, one per head, or none (1).
+__device__ __forceinline__ float cache_scale(const float* scale, int per_head, int head) {
+  return scale ? scale[per_head ? head : 0] : 1.f;
+}
+
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&o)[8], bool aligned, float mul = 1.0f) {
 #ifdef PAGED_EMU

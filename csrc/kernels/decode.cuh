@@ -211,8 +211,8 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 
   float q[kGroupTile][8];
   load_q<T>(q, p, seq, head0, group, d0, active);
-  const float kscale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kvh : 0] : 1.f;
-  const float vscale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kvh : 0] : 1.f;
+  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const KV* kc = static_cast<const KV*>(p.key_cache) + kvh * p.k_stride_head + d0;
   const KV* vc = static_cast<const KV*>(p.value_cache) + kvh * p.v_stride_head + d0;
   const int32_t* bt = p.block_tables + seq * p.bt_stride;
@@ -304,8 +304,8 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
 
   float q[kMaxGroupTile][8];
   load_q<T>(q, p, seq, head0 + tile * kMaxGroupTile, gcount, d0, active);
-  const float kscale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kvh : 0] : 1.f;
-  const float vscale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kvh : 0] : 1.f;
+  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const char* kbase = static_cast<const char*>(p.key_cache) + kvh * p.k_stride_head * int64_t(sizeof(KV));
   const char* vbase = static_cast<const char*>(p.value_cache) + kvh * p.v_stride_head * int64_t(sizeof(KV));
   const int32_t* bt = p.block_tables + seq * p.bt_stride;

@@ -73,15 +73,13 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int row
 #pragma unroll
   for (int k = 0; k < kMaxChunksPerThread; ++k) acc[k] = 0.f;
 
-  const float kscale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kvh : 0] : 1.f;
-  const float vscale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kvh : 0] : 1.f;
+  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const KV* kc = static_cast<const KV*>(p.key_cache) + kvh * p.k_stride_head;
   const KV* vc = static_cast<const KV*>(p.value_cache) + kvh * p.v_stride_head;
   const int32_t* bt = p.block_tables + seq * p.bt_stride;
-  __syncthreads();
-
-  for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
-    // K tile; rows past kv_end are zeros, never loads.
+  // One K or V tile of BN tokens into KVs as float; rows past kv_end are zeros, never loads.
+  auto stage = [&](const KV* cache, int64_t stride_block, int64_t stride_tok, bool aligned, float mul, int kv0) {
     for (int e = threadIdx.x; e < BN * nchunks; e += nt) {
       const int j = e / nchunks, c = (e % nchunks) * 8, t = kv0 + j;
       float x[8];
@@ -89,11 +87,16 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int row
       for (int i = 0; i < 8; ++i) x[i] = 0.f;
       if (t < kv_end) {
         const int64_t blk = bt[t / p.block_size], off = t % p.block_size;
-        load8(kc + blk * p.k_stride_block + off * p.k_stride_tok + c, x, k_aligned, kscale);
+        load8(cache + blk * stride_block + off * stride_tok + c, x, aligned, mul);
       }
 #pragma unroll
       for (int i = 0; i < 8; ++i) KVs[j * ld + c + i] = x[i];
     }
+  };
+  __syncthreads();
+
+  for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
+    stage(kc, p.k_stride_block, p.k_stride_tok, k_aligned, kscale, kv0);  // K tile
     __syncthreads();
     for (int e = threadIdx.x; e < BM * BN; e += nt) {
       const int r = e / BN, j = e % BN, t = kv0 + j;
@@ -109,18 +112,7 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int row
     }
     __syncthreads();
     // V tile into the same buffer, while the first BM threads do the softmax bookkeeping.
-    for (int e = threadIdx.x; e < BN * nchunks; e += nt) {
-      const int j = e / nchunks, c = (e % nchunks) * 8, t = kv0 + j;
-      float x[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = 0.f;
-      if (t < kv_end) {
-        const int64_t blk = bt[t / p.block_size], off = t % p.block_size;
-        load8(vc + blk * p.v_stride_block + off * p.v_stride_tok + c, x, v_aligned, vscale);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) KVs[j * ld + c + i] = x[i];
-    }
+    stage(vc, p.v_stride_block, p.v_stride_tok, v_aligned, vscale, kv0);
     if (threadIdx.x < BM) {
       const int r = threadIdx.x;
       float* sr = S + r * BN;
@@ -268,8 +260,8 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int 
   for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   const float sl2 = p.scale * kLog2e;
-  const float kscale = p.k_scale ? p.k_scale[p.k_scale_per_head ? kvh : 0] : 1.f;
-  const float vscale = p.v_scale ? p.v_scale[p.v_scale_per_head ? kvh : 0] : 1.f;
+  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const KV* kc = static_cast<const KV*>(p.key_cache) + kvh * p.k_stride_head;
   const KV* vc = static_cast<const KV*>(p.value_cache) + kvh * p.v_stride_head;
   const int32_t* bt = p.block_tables + seq * p.bt_stride;
