@@ -18,20 +18,16 @@
 namespace PAGED_KERNEL_NS {
 
 template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  const T l = from_float<T>(lo), h = from_float<T>(hi);
-  uint16_t a, b;
-  memcpy(&a, &l, 2);
-  memcpy(&b, &h, 2);
-  return uint32_t(a) | (uint32_t(b) << 16);
-}
-
-template <typename T>
 __device__ __forceinline__ uint32_t pack2_raw(T lo, T hi) {
   uint16_t a, b;
   memcpy(&a, &lo, 2);
   memcpy(&b, &hi, 2);
   return uint32_t(a) | (uint32_t(b) << 16);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return pack2_raw(from_float<T>(lo), from_float<T>(hi));
 }
 
 template <typename T>
