@@ -66,46 +66,52 @@ inline LaunchConfig config_from_env(const char* var = "PAGED_CUDA_CONFIG") {
 inline const float* scale_ptr(const OptTensor& s) { return s ? s->data_ptr<float>() : nullptr; }
 inline int per_head(const OptTensor& s) { return s && s->numel() > 1 ? 1 : 0; }
 
-inline AttentionParams attention_params(const Tensor& out, const Tensor& query, const Tensor& key_cache,
-                                        const Tensor& value_cache, const Tensor& block_tables,
-                                        const Tensor& seq_lens, const Tensor* cu_seqlens_q, int64_t max_seqlen_q,
-                                        double scale, bool causal, const OptTensor& k_scale,
-                                        const OptTensor& v_scale) {
-  AttentionParams p{};
-  p.out = out.data_ptr();
-  p.query = query.data_ptr();
+// The cache fields AttentionParams and ReshapeCacheParams share: pointers, strides, fp8 scales.
+template <typename P>
+void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, const OptTensor& k_scale,
+                      const OptTensor& v_scale) {
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.cu_seqlens_q = cu_seqlens_q ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
   p.k_scale = scale_ptr(k_scale);
   p.v_scale = scale_ptr(v_scale);
   p.k_scale_per_head = per_head(k_scale);
   p.v_scale_per_head = per_head(v_scale);
-  p.dtype = dtype_code(query.scalar_type());
   p.cache_dtype = dtype_code(key_cache.scalar_type());
-  p.num_seqs = int(seq_lens.size(0));
-  p.num_heads = int(query.size(1));
-  p.num_kv_heads = int(key_cache.size(2));
-  p.head_size = int(query.size(2));
   p.block_size = int(key_cache.size(1));
-  p.max_blocks_per_seq = int(block_tables.size(1));
-  p.max_seqlen_q = int(max_seqlen_q);
-  p.q_stride_tok = query.stride(0);
-  p.q_stride_head = query.stride(1);
-  p.o_stride_tok = out.stride(0);
-  p.o_stride_head = out.stride(1);
   p.k_stride_block = key_cache.stride(0);
   p.k_stride_tok = key_cache.stride(1);
   p.k_stride_head = key_cache.stride(2);
   p.v_stride_block = value_cache.stride(0);
   p.v_stride_tok = value_cache.stride(1);
   p.v_stride_head = value_cache.stride(2);
+}
+
+inline AttentionParams attention_params(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                        const Tensor& value_cache, const Tensor& block_tables,
+                                        const Tensor& seq_lens, const Tensor* cu_seqlens_q, int64_t max_seqlen_q,
+                                        double scale, bool causal, const OptTensor& k_scale,
+                                        const OptTensor& v_scale) {
+  AttentionParams p{};
+  set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.cu_seqlens_q = cu_seqlens_q ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  p.dtype = dtype_code(query.scalar_type());
+  p.num_seqs = int(seq_lens.size(0));
+  p.num_heads = int(query.size(1));
+  p.num_kv_heads = int(key_cache.size(2));
+  p.head_size = int(query.size(2));
+  p.max_blocks_per_seq = int(block_tables.size(1));
+  p.max_seqlen_q = int(max_seqlen_q);
+  p.q_stride_tok = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.o_stride_tok = out.stride(0);
+  p.o_stride_head = out.stride(1);
   p.bt_stride = block_tables.stride(0);
   p.scale = float(scale);
   p.causal = causal;
-  p.num_sms = 132;
   return p;
 }
 
@@ -139,31 +145,18 @@ template <class B>
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                        const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
   ReshapeCacheParams p{};
+  set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
   p.key = key.data_ptr();
   p.value = value.data_ptr();
-  p.key_cache = key_cache.data_ptr();
-  p.value_cache = value_cache.data_ptr();
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();
-  p.k_scale = scale_ptr(k_scale);
-  p.v_scale = scale_ptr(v_scale);
-  p.k_scale_per_head = per_head(k_scale);
-  p.v_scale_per_head = per_head(v_scale);
   p.dtype = dtype_code(key.scalar_type());
-  p.cache_dtype = dtype_code(key_cache.scalar_type());
   p.num_tokens = int(key.size(0));
   p.num_kv_heads = int(key.size(1));
   p.head_size = int(key.size(2));
-  p.block_size = int(key_cache.size(1));
   p.key_stride_tok = key.stride(0);
   p.key_stride_head = key.stride(1);
   p.value_stride_tok = value.stride(0);
   p.value_stride_head = value.stride(1);
-  p.k_stride_block = key_cache.stride(0);
-  p.k_stride_tok = key_cache.stride(1);
-  p.k_stride_head = key_cache.stride(2);
-  p.v_stride_block = value_cache.stride(0);
-  p.v_stride_tok = value_cache.stride(1);
-  p.v_stride_head = value_cache.stride(2);
   if (p.num_tokens == 0) return;
   B::reshape_and_cache(p);
 }
