@@ -64,11 +64,7 @@ struct Vec8 {
   // the exponent's top bit, which the mask clears. 0x7F/0xFF are e4m3fn's NaN (it has no
   // infinities): their fp16 gets an all-ones exponent (its mantissa is nonzero), a NaN of the same sign.
   static Vec8 load(const c10::Float8_e4m3fn* p) {
-    const __m128i high = _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    const __m128i half = _mm_and_si128(_mm_srai_epi16(high, 1), _mm_set1_epi16(int16_t(0xBFFF)));
-    const __m128i nan = _mm_cmpeq_epi16(_mm_slli_epi16(high, 1), _mm_set1_epi16(int16_t(0xFE00)));
-    const __m128i fixed = _mm_or_si128(half, _mm_and_si128(nan, _mm_set1_epi16(0x7C00)));
-    return {_mm256_mul_ps(_mm256_cvtph_ps(fixed), _mm256_set1_ps(256.f))};
+    return {_mm256_mul_ps(load(reinterpret_cast<const E4m3Half*>(p)).v, _mm256_set1_ps(256.f))};
   }
   // e4m3fn read as the fp16 above without the 2^8 (the attention folds it into its scales):
   // E4m3Half exactly as that widening, NaN included; E4m3HalfFinite for bytes known to hold no
