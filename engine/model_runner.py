@@ -156,7 +156,7 @@ class ModelRunner:
         if model_impl == "native" and not native:
             raise ValueError(f"model_impl='native' supports {llama.ARCHITECTURES}, not {type(hf_model).__name__}")
         self.model_impl = "native" if native and model_impl != "transformers" else "transformers"
-        self.model = llama.LlamaForCausalLM.from_hf(hf_model) if self.model_impl == "native" else hf_model
+        self.model = llama.LlamaForCausalLM(hf_model).eval() if self.model_impl == "native" else hf_model
         del hf_model  # the native model fused q/k/v and gate/up: the originals are freed here
         self.packed_linears = pack_linears(self.model) if can_pack(dtype, device) else 0
         cfg = self.config

@@ -6,7 +6,7 @@ matmul, gate/up are one matmul, there are no masks, no cache objects and no [bat
 On the tiny benchmark model transformers' per-module Python cost ~4 ms of a ~20 ms decode step;
 this is why the engine prefers this path for these architectures (see engine/README.md).
 
-Weights come from the transformers model loaded from the checkpoint (``from_hf``): its loader
+Weights come from the transformers model loaded from the checkpoint (the constructor takes it): its loader
 already handles sharding, tied embeddings and dtypes, and its rotary module every RoPE scaling
 variant, so nothing here parses checkpoint files or re-implements RoPE scaling.
 """
@@ -81,19 +81,13 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], attention) -> hidden [T, hidden]``; ``logits(hidden)``."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model):  # one of ARCHITECTURES (the runner checks)
         super().__init__()
         cfg, base = hf_model.config, hf_model.model
         self.embed_tokens, self.rotary = base.embed_tokens, base.rotary_emb
         self.layers = nn.ModuleList(DecoderLayer(layer, cfg) for layer in base.layers)
         self.norm, self.eps = base.norm.weight, cfg.rms_norm_eps
         self.lm_head = hf_model.lm_head
-
-    @classmethod
-    def from_hf(cls, hf_model) -> "LlamaForCausalLM":
-        if type(hf_model).__name__ not in ARCHITECTURES:
-            raise ValueError(f"{type(hf_model).__name__} is not one of {ARCHITECTURES}")
-        return cls(hf_model).eval()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, hidden]
