@@ -15,6 +15,36 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
+
+def _interpreter_scalar_loop_bounds() -> None:
+    """Let the interpreter of triton 3.6 run ``for ... in range(start, end, BLOCK)`` with bounds
+    computed in the kernel (loaded sequence lengths, program ids times an argument).
+
+    The interpreter holds every scalar as a shape-[1] numpy array and converts loop bounds with
+    ``int(array)``, which numpy >= 2.4 rejects for arrays that are not 0-d; triton 3.8 squeezes
+    the array first. The kernels keep a ``for`` loop (a ``while`` loop would compile without
+    software pipelining), and under the interpreter the conversion is made the way 3.8 makes it.
+    Same code on every version; the compiled kernels are untouched.
+    """
+    try:
+        from triton.runtime import interpreter
+        original = interpreter._patch_lang_tensor
+    except (ImportError, AttributeError):  # a layout this shim does not know: nothing to fix
+        return
+    if getattr(original, "squeezes_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_lang_tensor.squeezes_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRET:
+    _interpreter_scalar_loop_bounds()
+
 # Number of SMs assumed under the interpreter: small, so that the occupancy heuristic
 # still chooses a split (flash-decoding) path for tiny test batches.
 _INTERPRETER_SMS = 4
