@@ -5,7 +5,7 @@ import argparse
 import random
 import tempfile
 
-from engine import LLM, SamplingParams
+from . import LLM, SamplingParams
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
         llm = _make_llm(a.model, a)
         _print(llm.generate(prompts, params), llm)
         return
-    from engine.demo import save_tiny_checkpoint
+    from .demo import save_tiny_checkpoint
     with tempfile.TemporaryDirectory() as tmp:
         llm = _make_llm(save_tiny_checkpoint(tmp, "llama", with_tokenizer=True), a)
         rng = random.Random(0)

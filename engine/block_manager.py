@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from engine.sequence import Sequence
+from .sequence import Sequence
 
 _ROOT_HASH = -1  # parent hash of a sequence's first block
 
@@ -102,8 +102,9 @@ class BlockManager:
 
     def get_computed_blocks(self, seq: Sequence) -> list[int]:
         """Leading blocks of seq already in the cache. Stops one token short of the end:
-        the last token is always computed, since its logits are needed."""
-        if not self.enable_prefix_caching:
+        the last token is always computed, since its logits are needed. A sequence that wants
+        prompt logprobs computes its whole prompt (a hit would skip those positions' logits)."""
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         hits = []
         for i in range((seq.num_tokens - 1) // self.block_size):

@@ -1,133 +1,77 @@
-"""Offline API mirroring vLLM's: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+"""LLMEngine: vLLM's step API. ``add_request`` / ``step`` / ``has_unfinished_requests`` /
+``abort_request``; ``LLM.generate`` (engine/llm.py) is a loop over ``step``."""
 from __future__ import annotations
 
-import logging
+import dataclasses
 import os
-import time
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
-from tqdm.auto import tqdm
 
-from engine.block_manager import BlockManager
-from engine.model_runner import ModelRunner
-from engine.sampler import greedy, sample
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence
-
-logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None   # "stop" (EOS / stop token), "length" (max_tokens / max length)
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer, find_stop_string
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, Logprob, RequestOutput, RunStats
+from .sampler import apply_penalties, greedy, sample, top_logprobs
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
 
 
 @dataclass
-class RequestOutput:
-    """One prompt's result. A rejected request has ``error`` (a ValueError) and no outputs."""
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-    error: ValueError | None = None
-
-
-@dataclass
-class RunStats:
-    """Counters of one generate() call."""
-    num_requests: int = 0
-    num_steps: int = 0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    elapsed_s: float = 0.0
-    prefix_cache_queries: int = 0   # prompt tokens looked up on admission
-    prefix_cache_hits: int = 0      # of which found in the cache
-    preemptions: dict = field(default_factory=lambda: {"recompute": 0, "swap": 0})
-    peak_kv_blocks: int = 0
-    kv_tokens_stored: int = 0       # summed over steps
-    kv_slots_allocated: int = 0     # summed over steps
-
-    @property
-    def output_tokens_per_s(self) -> float:
-        return self.output_tokens / self.elapsed_s if self.elapsed_s else 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-    @property
-    def kv_utilization(self) -> float:
-        """Tokens stored / slots allocated, averaged over steps (1.0 = no block slack)."""
-        return self.kv_tokens_stored / self.kv_slots_allocated if self.kv_slots_allocated else 0.0
-
-    def __str__(self):
-        return (f"{self.num_requests} requests, {self.output_tokens} output tokens in {self.elapsed_s:.2f}s "
-                f"({self.output_tokens_per_s:.1f} tok/s, {self.num_steps} steps) | prefix-cache hit rate "
-                f"{self.prefix_cache_hit_rate:.1%} | preemptions {self.preemptions} | peak KV blocks "
-                f"{self.peak_kv_blocks} | KV utilization {self.kv_utilization:.1%}")
-
-
-@dataclass
-class _Request:
-    request_id: int
+class Request:
+    request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
-    error: ValueError | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: ValueError | None = None   # set when the request failed inside a step
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
-class LLM:
-    """A model plus a paged KV cache, scheduler and block manager. Arguments as in vLLM;
-    the KV pool is num_kv_blocks blocks if given, else sized from kv_cache_memory_bytes (CPU,
-    default 1 GiB) or gpu_memory_utilization (CUDA). model_impl: "native" (engine/models: Llama,
-    Mistral, Qwen2), "transformers" (any decoder, through transformers' attention interface) or
-    "auto" (native where it exists), as vLLM's option of that name."""
+def load_tokenizer(path: str):
+    """The tokenizer saved in path, or None when there is none (token-id prompts only)."""
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path)
 
-    def __init__(self, model: str, dtype: str = "float32", device: str | None = None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory_bytes: int | None = None,
-                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 2048, enable_prefix_caching: bool = True,
-                 enable_chunked_prefill: bool = True, kv_cache_dtype: str = "auto",
-                 preemption_mode: str = "recompute", swap_space_bytes: int = 1 << 30,
-                 num_cpu_blocks: int | None = None, seed: int = 0, model_impl: str = "auto"):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.runner = ModelRunner(
-            model, DTYPES[dtype], self.device, block_size, kv_cache_dtype, num_kv_blocks,
-            kv_cache_memory_bytes, gpu_memory_utilization,
-            num_cpu_blocks if preemption_mode == "swap" else 0,
-            swap_space_bytes if preemption_mode == "swap" else 0, max_num_batched_tokens, model_impl)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, block_size, self.runner.num_cpu_blocks,
-                                          enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
-                                   enable_chunked_prefill, preemption_mode)
-        self.tokenizer = self._load_tokenizer(model)
+
+class LLMEngine:
+    """A model, its paged KV cache, the scheduler and the requests in flight."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, self.runner.num_cpu_blocks,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, config.preemption_mode)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         cfg = self.runner.config
         self.eos_token_ids = self._eos_ids(cfg) | self._eos_ids(self.runner.generation_config)
         # no sliding-window attention in the ops: stay within the window, where it is exact
-        limits = [getattr(cfg, "max_position_embeddings", None), getattr(cfg, "sliding_window", None)]
-        self.max_model_len = min(x for x in limits if x) if any(limits) else 1 << 30
-        self.max_pool_len = self.runner.num_kv_blocks * block_size
-        self.generator = torch.Generator(self.device).manual_seed(seed)
-        self.last_stats: RunStats | None = None
+        limits = [x for x in (getattr(cfg, "max_position_embeddings", None), getattr(cfg, "sliding_window", None)) if x]
+        model_limit = min(limits) if limits else 1 << 30
+        if config.max_model_len is not None and config.max_model_len > model_limit:
+            raise ValueError(f"max_model_len {config.max_model_len} is larger than the model's limit {model_limit} "
+                             f"(max_position_embeddings / sliding_window)")
+        self.max_model_len = config.max_model_len or model_limit
+        self.max_pool_len = self.runner.num_kv_blocks * config.block_size
+        self.device = self.runner.device
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.requests: dict[str, Request] = {}
+        self.stats = RunStats()   # running totals; LLM.generate reports differences
 
-    @staticmethod
-    def _load_tokenizer(model: str):
-        if not any(os.path.exists(os.path.join(model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-            return None
-        from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(model)
+    @classmethod
+    def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
+        return cls(EngineConfig(model, **kwargs))
 
     @staticmethod
     def _eos_ids(cfg) -> set[int]:
@@ -135,130 +79,201 @@ class LLM:
         return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     # ---- requests --------------------------------------------------------------------
-    def _make_request(self, i: int, prompt, params: SamplingParams) -> _Request:
-        text, ids = None, []
-        if isinstance(prompt, str):
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string, token ids, or {"prompt": ...} /
+        {"prompt_token_ids": [...]}; ValueError when it cannot run."""
+        text = None
+        if isinstance(prompt, dict):  # vLLM's TextPrompt / TokensPrompt
+            if "prompt" not in prompt and "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            text = prompt.get("prompt")
+            prompt = prompt.get("prompt_token_ids", text)
+        elif isinstance(prompt, str):
             text = prompt
-            if self.tokenizer is not None:
-                ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, dict):
-            ids = list(prompt["prompt_token_ids"])
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer (in the checkpoint, or LLM(tokenizer=...)); "
+                                 "pass token ids")
+            ids = self.tokenizer(text)["input_ids"]
         else:
             ids = list(prompt)
-        req = _Request(i, text, ids, params)
         vocab = self.runner.config.vocab_size
-        if text is not None and self.tokenizer is None:
-            req.error = ValueError("string prompts need a tokenizer in the checkpoint; pass token ids")
-        elif not ids:
-            req.error = ValueError("empty prompt")
-        elif not all(0 <= t < vocab for t in ids):
-            req.error = ValueError(f"prompt token ids must be in [0, {vocab})")
-        elif len(ids) > self.max_model_len:
-            req.error = ValueError(f"prompt of {len(ids)} tokens is longer than the model's maximum "
-                                   f"length {self.max_model_len}")
-        elif len(ids) > self.max_pool_len:
-            req.error = ValueError(f"prompt of {len(ids)} tokens does not fit in the whole KV pool "
-                                   f"({self.max_pool_len} slots)")
-        return req
+        if not ids:
+            raise ValueError("empty prompt")
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum length {self.max_model_len}")
+        if len(ids) > self.max_pool_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit in the whole KV pool "
+                             f"({self.max_pool_len} slots)")
+        return text, [int(t) for t in ids]
 
-    def _new_seq(self, req: _Request, ids: list[int], index: int, parent: Sequence | None = None) -> Sequence:
-        seq = parent.fork(index) if parent else Sequence(ids, req.params, self.block_manager.block_size,
-                                                          req.request_id)
-        if req.params.temperature > 0:
-            if req.params.seed is not None:
-                seq.generator = torch.Generator(self.device).manual_seed(req.params.seed + index)
-            else:
-                seq.generator = self.generator
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+        """Queue a request. Raises ValueError for a bad prompt, bad parameters or a duplicate id,
+        and then leaves nothing behind (nor on any other exception)."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"request_id must be a str, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = dataclasses.replace(params or SamplingParams())  # validated again, and our own copy
+        text, ids = self._prompt_ids(prompt)
+        req = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
+                      else None)
+        seq = self._new_seq(req, ids, 0)
+        self.requests[request_id] = req  # nothing above touched the engine's state
+        self.scheduler.add(seq)
+        self.stats.prompt_tokens += len(ids)
+
+    def _new_seq(self, req: Request, ids: list[int], index: int, parent: Sequence | None = None) -> Sequence:
+        p = req.params
+        seq = parent.fork(index) if parent else Sequence(ids, p, self.config.block_size, req.request_id)
+        if not p.greedy:
+            seq.generator = (torch.Generator(self.device).manual_seed(p.seed + index) if p.seed is not None
+                             else self.generator)
+        if self.tokenizer is not None and parent is None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, p.skip_special_tokens)
+        if p.logprobs is not None:
+            seq.logprobs = []
         req.seqs.append(seq)
         return seq
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
-        p, token = seq.sampling_params, seq.last_token
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids:
-            return "stop"
-        if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= min(self.max_model_len, self.max_pool_len):
-            return "length"
-        return None
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests now; their blocks are free when this returns. Unknown ids are ignored."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            req = self.requests.pop(rid, None)
+            for seq in req.seqs if req else []:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
 
-    # ---- engine loop -----------------------------------------------------------------
-    def step(self, requests: dict[int, _Request], stats: RunStats) -> list[Sequence]:
-        """Schedule, run the model, sample; returns the sequences finished by this step."""
-        out = self.scheduler.schedule()
-        if out.is_empty:
-            raise RuntimeError("scheduler made no progress (KV pool too small for any request?)")
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- one step --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model, sample; returns the output so far of every request that got a
+        token (cumulative, as vLLM's default), ``finished`` set on the last. An exception inside
+        the model aborts every request (all blocks free, the prefix cache cleared: its newest
+        blocks were registered but never written) and propagates."""
+        if not self.requests:
+            return []
+        try:
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                raise RuntimeError("scheduler made no progress (KV pool too small for any request?)")
+            self._count(out)
+            logits = self.runner.run(out)
+        except BaseException:
+            self.scheduler.abort_all()
+            self.requests.clear()
+            raise
+        for seq_id, (first, rows) in logits.prompt.items():
+            self._add_prompt_logprobs(next(s for s in out.seqs if s.seq_id == seq_id), first, rows)
+        due = self.scheduler.postprocess(out)
+        plain = [row for row, s in enumerate(due) if s.sampling_params.greedy and not self._needs_processing(s)]
+        greedy_ids = dict(zip(plain, greedy(logits.sample[plain]).tolist()))  # one device sync
+        touched: dict[str, Request] = {}
+        for row, seq in enumerate(due):
+            req = self.requests.get(seq.request_id)
+            if req is None or seq.is_finished:  # its request failed earlier in this loop
+                continue
+            touched[req.request_id] = req
+            try:
+                samples = [seq]
+                while len(req.seqs) < req.params.n:  # parallel sampling: fork after the prompt
+                    child = self._new_seq(req, seq.token_ids, len(req.seqs), parent=seq)
+                    self.scheduler.fork(seq, child)
+                    samples.append(child)
+                for s in samples:
+                    self._append(s, logits.sample[row], greedy_ids.get(row))
+            except Exception as e:  # one request's failure ends that request only
+                self.abort_request(req.request_id)
+                req.error = ValueError(f"request {req.request_id!r} failed: {e!r}")
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                self.requests.pop(req.request_id, None)
+        return outputs
+
+    def _count(self, out) -> None:
+        bm, stats = self.block_manager, self.stats
         stats.num_steps += 1
-        bm = self.block_manager
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, bm.num_used_blocks)
         stats.kv_tokens_stored += bm.num_tokens_in_use
         stats.kv_slots_allocated += bm.num_used_blocks * bm.block_size
-        logits = self.runner.run(out)
-        greedy_ids = greedy(logits).tolist()  # one device sync for all greedy rows
-        finished = []
-        for row, seq in enumerate(self.scheduler.postprocess(out)):
-            req = requests[seq.request_id]
-            samples = [seq]
-            while len(req.seqs) < req.params.n:  # parallel sampling: fork after the prompt
-                child = self._new_seq(req, seq.token_ids, len(req.seqs), parent=seq)
-                self.scheduler.fork(seq, child)
-                samples.append(child)
-            for s in samples:
-                p = s.sampling_params
-                s.append_token(greedy_ids[row] if p.temperature == 0 else sample(logits[row], p, s.generator))
-                if reason := self._finish_reason(s):
-                    self.scheduler.finish(s, reason)
-                    finished.append(s)
-        return finished
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (string, token-id list or {"prompt_token_ids": [...]});
-        results come back in input order. Stats of the run are in ``self.last_stats``."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        bm, sched = self.block_manager, self.scheduler
-        stats = RunStats(num_requests=len(prompts))
-        q0, h0, p0 = bm.prefix_queries, bm.prefix_hits, dict(sched.num_preemptions)
-        start = time.perf_counter()
+    def _needs_processing(self, seq: Sequence) -> bool:
+        p = seq.sampling_params
+        return p.has_penalties or seq.num_completion_tokens < p.min_tokens
 
-        requests = {i: self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))}
-        for req in requests.values():
-            if req.error is None:
-                sched.add(self._new_seq(req, req.prompt_token_ids, 0))
-                stats.prompt_tokens += len(req.prompt_token_ids)
-        pending = sum(r.params.n for r in requests.values() if r.error is None)
-        bar = tqdm(total=len(prompts), desc="generate", disable=not (use_tqdm if use_tqdm is not None
-                                                                        else len(prompts) >= 16))
-        bar.update(len(prompts) - sum(r.error is None for r in requests.values()))
-        try:
-            while pending:
-                for seq in self.step(requests, stats):
-                    pending -= 1
-                    stats.output_tokens += seq.num_completion_tokens
-                    req = requests[seq.request_id]
-                    if all(s.is_finished for s in req.seqs) and len(req.seqs) == req.params.n:
-                        bar.update(1)
-        except BaseException:
-            sched.abort_all()  # leave the engine usable, with every block free
-            bar.close()
-            raise
-        assert sched.is_finished()
+    def _append(self, seq: Sequence, raw: torch.Tensor, greedy_id: int | None) -> None:
+        """Choose seq's next token from its raw logits row [vocab], record logprobs, detokenize,
+        check the stop rules."""
+        p = seq.sampling_params
+        token = greedy_id
+        if token is None:
+            logits = raw
+            if p.has_penalties:
+                logits = apply_penalties(logits, seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, p)
+            if seq.num_completion_tokens < p.min_tokens:  # no stop token may end it yet
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                if banned:
+                    logits = logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
+            token = sample(logits, p, seq.generator)
+        if seq.logprobs is not None:
+            entries = top_logprobs(torch.log_softmax(raw, -1), token, p.logprobs)
+            seq.cumulative_logprob += entries[token][0]
+            seq.logprobs.append(self._logprob_dict(entries))
+        seq.append_token(token)
+        new_chars = len(seq.detokenizer.add(token)) if seq.detokenizer else 0
+        seq.text = seq.detokenizer.text if seq.detokenizer else ""
+        if reason := self._stop(seq, new_chars):
+            self.scheduler.finish(seq, reason)
+            self.stats.output_tokens += seq.num_completion_tokens
 
-        stats.elapsed_s = time.perf_counter() - start
-        stats.prefix_cache_queries, stats.prefix_cache_hits = bm.prefix_queries - q0, bm.prefix_hits - h0
-        stats.preemptions = {k: v - p0[k] for k, v in sched.num_preemptions.items()}
-        bar.set_postfix_str(f"{stats.output_tokens_per_s:.1f} tok/s")
-        bar.close()
-        self.last_stats = stats
-        logger.info("%s", stats)
-        return [self._output(requests[i]) for i in range(len(prompts))]
+    def _stop(self, seq: Sequence, new_chars: int) -> str | None:
+        p, token = seq.sampling_params, seq.last_token
+        if seq.num_completion_tokens >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+            if p.stop and new_chars and (hit := find_stop_string(seq.text, new_chars, p.stop,
+                                                                 p.include_stop_str_in_output)):
+                seq.stop_reason, seq.text = hit
+                return "stop"
+        if (p.max_tokens is not None and seq.num_completion_tokens >= p.max_tokens) or \
+                seq.num_tokens >= min(self.max_model_len, self.max_pool_len):
+            return "length"
+        return None
 
-    def _output(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.sample_index, self._decode(s.completion_token_ids), s.completion_token_ids,
-                                 s.finish_reason) for s in sorted(req.seqs, key=lambda s: s.sample_index)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, True, req.error)
+    def _add_prompt_logprobs(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        # rows[j]: the distribution of prompt token first + j + 1. After a recompute preemption
+        # the prompt runs again: keep what was recorded the first time
+        req = self.requests[seq.request_id]
+        k = req.params.prompt_logprobs
+        logprobs = torch.log_softmax(rows, -1)
+        for j in range(max(0, len(req.prompt_logprobs) - 1 - first), rows.shape[0]):
+            token = seq.token_ids[first + j + 1]
+            req.prompt_logprobs.append(self._logprob_dict(top_logprobs(logprobs[j], token, k)))
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
+    def _logprob_dict(self, entries: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entries.items()}
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = []
+        for s in sorted(req.seqs, key=lambda s: s.sample_index):
+            text = s.text
+            if not s.is_finished and s.sampling_params.stop and not s.sampling_params.include_stop_str_in_output:
+                # hold back what could be the start of a stop string, as vLLM does when streaming
+                text = text[:max(0, len(text) - max(map(len, s.sampling_params.stop)) + 1)]
+            outs.append(CompletionOutput(s.sample_index, text, s.completion_token_ids,
+                                         s.cumulative_logprob if s.logprobs is not None else None,
+                                         s.logprobs, s.finish_reason, s.stop_reason))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
+                             req.finished or req.error is not None, req.error)

@@ -1,36 +1,107 @@
-"""Per-request sampling settings, named as in vLLM."""
+"""Per-request sampling settings, named and validated as in vLLM's ``SamplingParams``."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+logger = logging.getLogger(__name__)
+_MIN_TEMPERATURE = 1e-2  # vLLM raises smaller positive temperatures to this: logits / 1e-45 overflow
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
 class SamplingParams:
-    """How to pick the tokens of one request.
+    """How to pick the tokens of one request (vLLM's names, defaults and rules).
 
-    n: parallel samples per prompt; they share the prompt's KV blocks (copy-on-write).
-    temperature: 0 means greedy (argmax); top_k (0 or -1 = off) and top_p (1 = off) filter
-    the distribution before sampling. seed makes sampling reproducible per request:
-    sample ``i`` of the request uses ``seed + i``.
-    Generation stops after max_tokens tokens, at the model's EOS token (unless ignore_eos)
-    or at any of stop_token_ids; the stop token is part of the output, as in vLLM.
+    n: parallel samples of the prompt; they share its KV blocks (copy-on-write).
+    temperature: 0 is greedy. top_k (0 or -1 = off), top_p (1 = off) and min_p (0 = off) filter
+    the distribution after the temperature. presence/frequency penalties (in [-2, 2]) subtract
+    from the logits of tokens already generated; repetition_penalty (> 0, 1 = off) divides
+    positive and multiplies negative logits of tokens in the prompt or the output.
+    seed: sample i of the request draws from its own generator seeded ``seed + i``.
+    Stops: max_tokens (None: until the model's or the KV pool's length limit), the model's EOS
+    (unless ignore_eos), stop_token_ids (the token stays in the output) and stop strings
+    (cut from the text unless include_stop_str_in_output); none of them before min_tokens.
+    logprobs / prompt_logprobs: k most likely tokens per position plus the chosen one, from the
+    model's raw distribution (before penalties and temperature), as vLLM's default.
     """
 
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     temperature: float = 1.0
-    top_k: int = 0
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.verify()
+
+    def verify(self) -> None:
+        """Check every field (vLLM's rules); also run on admission, as the object is mutable."""
+        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not (_is_real(getattr(self, name)) and -2 <= getattr(self, name) <= 2):
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not (_is_real(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not (_is_real(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            logger.warning("temperature %s is below %s: using %s", self.temperature, _MIN_TEMPERATURE,
+                           _MIN_TEMPERATURE)
+            self.temperature = _MIN_TEMPERATURE
+        if not (_is_real(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an int: 0 or -1 (off) or >= 1, got {self.top_k!r}")
+        if not (_is_real(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -2 ** 63 <= self.seed
+                                          and self.seed + self.n - 1 < 2 ** 64):
+            raise ValueError(f"seed must be an int in [-2**63, 2**64 - n), got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None or an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (not _is_int(k) or k < -1):
+                raise ValueError(f"{name} must be None, -1 (whole vocabulary) or an int >= 0, got {k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

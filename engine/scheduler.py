@@ -4,8 +4,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, SequenceStatus
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute"):
-        assert preemption_mode in ("recompute", "swap"), preemption_mode
+        assert preemption_mode in ("recompute", "swap"), preemption_mode  # EngineConfig checks it for users
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -154,6 +154,18 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self.block_manager.free(seq)
         self.running.remove(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop one sequence wherever it is, freeing its blocks at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.block_manager.free_cpu(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, seq.finish_reason or "abort"
 
     def abort_all(self) -> None:
         """Drop every request (after an error in a step), freeing all blocks. The prefix cache

@@ -6,7 +6,7 @@ from itertools import count
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class SequenceStatus(Enum):
@@ -28,7 +28,7 @@ class Sequence:
     _ids = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None,
-                 block_size: int = 16, request_id: int = 0, sample_index: int = 0):
+                 block_size: int = 16, request_id: str = "0", sample_index: int = 0):
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.sample_index = sample_index          # i of the request's n samples
@@ -42,8 +42,13 @@ class Sequence:
         self.cpu_block_table: list[int] = []      # while SWAPPED
         self.num_cached_blocks = 0                # leading full blocks registered in the prefix cache
         self.block_hashes: list[int] = []         # hash chain over full blocks of token_ids
-        self.finish_reason: str | None = None
+        self.finish_reason: str | None = None     # "stop", "length" or "abort", as vLLM
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.generator: torch.Generator | None = None
+        self.detokenizer = None                   # IncrementalDetokenizer when there is a tokenizer
+        self.text = ""                            # output text, stop string cut off
+        self.logprobs: list[dict] | None = None   # per output token, when asked for
+        self.cumulative_logprob = 0.0
 
     def __len__(self):
         return len(self.token_ids)
@@ -74,10 +79,6 @@ class Sequence:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     @property
-    def num_full_blocks(self) -> int:
-        return self.num_tokens // self.block_size
-
-    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
@@ -98,4 +99,5 @@ class Sequence:
         child.block_table = list(self.block_table)
         child.num_cached_blocks = self.num_cached_blocks
         child.block_hashes = list(self.block_hashes)
+        child.detokenizer = self.detokenizer.fork() if self.detokenizer else None
         return child

@@ -178,7 +178,7 @@ def test_stops_and_text(ckpt, ref):
 
 def test_checkpoint_kv_scales_are_loaded(tmp_path):
     from safetensors.torch import save_file
-    from engine.model_runner import load_kv_scales
+    from engine.attention import load_kv_scales
     save_file({"model.layers.0.self_attn.k_scale": torch.tensor(0.5), "model.layers.0.self_attn.v_scale": torch.tensor(2.0),
                "model.layers.1.self_attn.k_proj.output_scale": torch.tensor([0.25]),
                "model.layers.1.self_attn.v_proj.output_scale": torch.tensor([4.0])}, tmp_path / "model.safetensors")

@@ -1,0 +1,121 @@
+"""The attention glue between a model and ``torch.ops.paged.*``: the paged KV cache object, one
+step's metadata, ``paged_attention`` (every layer, every step, through the public ops), the
+transformers attention-interface function, and fp8 scales (checkpoint or first prefill)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from .config import KV_CACHE_DTYPES
+
+ATTN_IMPLEMENTATION = "paged_ops"  # not "paged": transformers reserves "paged|..." for its own cache
+
+
+@functools.cache
+def ops():
+    """``torch.ops.paged``, imported on first use so the scheduler and block manager work
+    without the built extension."""
+    import paged_ops  # noqa: F401  (registers torch.ops.paged.*)
+    return torch.ops.paged
+
+
+@dataclass
+class KVCache:
+    """Per-layer paged caches ``[num_blocks, block_size, num_kv_heads, head_size]`` and fp8 scales."""
+    key_caches: list[torch.Tensor]
+    value_caches: list[torch.Tensor]
+    k_scales: list[torch.Tensor | None]   # float32 [1] or [num_kv_heads] per layer, fp8 only
+    v_scales: list[torch.Tensor | None]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.key_caches[0].dtype in KV_CACHE_DTYPES.values()
+
+
+@dataclass
+class AttentionMetadata:
+    """Batch layout of one step, shared by all layers."""
+    slot_mapping: torch.Tensor   # int64 [num_tokens]: block * block_size + offset
+    block_tables: torch.Tensor   # int32 [num_seqs, max_blocks]
+    cu_seqlens_q: torch.Tensor   # int32 [num_seqs + 1]
+    seq_lens: torch.Tensor       # int32 [num_seqs]: KV length after this step
+    max_seqlen_q: int
+    decode_only: bool            # every sequence has q_len 1: use decode_attention
+    kv: KVCache
+
+
+def fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # x: [num_tokens, num_kv_heads, head_size] -> float32 [num_kv_heads]: each head's amax maps
+    # to the fp8 max (per head, as heads' ranges differ a lot; later outliers saturate)
+    amax = x.abs().amax(dim=(0, 2)).float().clamp(min=1e-6)
+    return amax / torch.finfo(dtype).max
+
+
+def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Store the step's K/V in layer's cache, attend over the cache. q: [T, num_heads, D];
+    k, v: [T, num_kv_heads, D] (after RoPE) -> [T, num_heads, D]. Every layer calls the public
+    ops, which check their arguments and pick the backend."""
+    paged, kv = ops(), meta.kv
+    kc, vc = kv.key_caches[layer], kv.value_caches[layer]
+    if kv.is_fp8 and kv.k_scales[layer] is None:  # no checkpoint scales: calibrate on the first prefill
+        kv.k_scales[layer], kv.v_scales[layer] = fp8_scale(k, kc.dtype), fp8_scale(v, vc.dtype)
+    ks, vs = kv.k_scales[layer], kv.v_scales[layer]
+    paged.reshape_and_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
+    out = torch.empty_like(q)
+    if meta.decode_only:
+        paged.decode_attention(out, q, kc, vc, meta.block_tables, meta.seq_lens, scale, ks, vs)
+    else:
+        paged.prefill_attention(out, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+                                meta.max_seqlen_q, scale, True, ks, vs)
+    return out
+
+
+# transformers' attention interface has no argument for our metadata: the runner sets it
+# around each forward of a transformers model
+_CURRENT: AttentionMetadata | None = None
+
+
+@contextlib.contextmanager
+def step_metadata(meta: AttentionMetadata):
+    global _CURRENT
+    _CURRENT = meta
+    try:
+        yield
+    finally:
+        _CURRENT = None
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """transformers attention interface: query [1, num_heads, T, D], key/value
+    [1, num_kv_heads, T, D] (after RoPE) -> ([1, T, num_heads, D], None)."""
+    assert _CURRENT is not None, "paged_ops attention called outside ModelRunner.run"
+    to_tokens = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  [T, heads, D]
+    out = paged_attention(_CURRENT, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+def load_kv_scales(model_dir: str, num_layers: int) -> tuple[list, list] | None:
+    """fp8 KV scales stored in the checkpoint (``layers.N.self_attn.{k,v}_scale``, or
+    ``{k,v}_proj.output_scale`` as llm-compressor writes them); None unless every layer has both."""
+    from safetensors import safe_open
+    pattern = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+    scales = {"k": [None] * num_layers, "v": [None] * num_layers}
+    for path in glob.glob(os.path.join(model_dir, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                if (m := pattern.search(name)) and int(m.group(1)) < num_layers:
+                    scales[m.group(2) or m.group(3)][int(m.group(1))] = f.get_tensor(name).float().reshape(-1)
+    if any(s is None for s in scales["k"] + scales["v"]):
+        return None
+    return scales["k"], scales["v"]
