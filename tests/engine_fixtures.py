@@ -29,8 +29,18 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list
 def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int, fp8_dtype: torch.dtype,
                        k_scales: list[torch.Tensor], v_scales: list[torch.Tensor],
                        dtype: torch.dtype = torch.float32) -> list[list[int]]:
-    """The oracle for an fp8 KV cache: transformers' eager attention on K/V rounded through fp8
-    with the engine's scales (saturating cast, as the contract specifies)."""
+    """Greedy generate of hf_fake_fp8_model: the oracle of an fp8 KV cache's tokens."""
+    return _greedy_each(hf_fake_fp8_model(model_dir, fp8_dtype, k_scales, v_scales, dtype), prompts, max_tokens)
+
+
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "eager"):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=attn_implementation).eval()
+
+
+def hf_fake_fp8_model(model_dir: str, fp8_dtype: torch.dtype, k_scales: list[torch.Tensor],
+                      v_scales: list[torch.Tensor], dtype: torch.dtype = torch.float32):
+    """transformers' eager attention on K/V rounded through fp8 with the engine's scales
+    (saturating cast, as the contract specifies): the oracle for an fp8 KV cache."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -47,5 +57,12 @@ def hf_greedy_fake_fp8(model_dir: str, prompts: list[list[int]], max_tokens: int
 
     AttentionInterface.register("fake_fp8", attention)
     AttentionMaskInterface.register("fake_fp8", eager_mask)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="fake_fp8")
-    return _greedy_each(model, prompts, max_tokens)
+    return hf_model(model_dir, dtype, "fake_fp8")
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """float64 log-softmax of transformers' logits at every position of token_ids: row i is the
+    distribution of token i + 1. [len(token_ids), vocab]"""
+    with torch.inference_mode():
+        logits = model(torch.tensor([token_ids])).logits[0]
+    return torch.log_softmax(logits.double(), -1)
