@@ -28,7 +28,11 @@ def assert_all_free(llm):
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_p=float("nan")), "top_p"),
     (dict(n=1.5), "n"), (dict(n=0), "n"), (dict(max_tokens=2.5), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
     (dict(seed=2 ** 64), "seed"), (dict(seed=1.5), "seed"), (dict(stop_token_ids=[1.5]), "stop_token_ids"),
-    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-3), "frequency_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(min_p=1.5), "min_p"), (dict(min_tokens=-1), "min_tokens"), (dict(min_tokens=5, max_tokens=4), "min_tokens"),
+    (dict(logprobs=-2), "logprobs"), (dict(prompt_logprobs=1.5), "prompt_logprobs"), (dict(stop=[""]), "stop"),
+    (dict(stop=["a", 3]), "stop"),
 ])
 def test_sampling_params_rejected_at_construction(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -41,6 +45,7 @@ def test_sampling_params_vllm_leniencies():
     assert SamplingParams(stop_token_ids=None).stop_token_ids == []
     assert SamplingParams(top_k=-1).top_k == -1 and SamplingParams(top_k=0).top_k == 0
     assert SamplingParams(temperature=1e-45).temperature == pytest.approx(1e-2)
+    assert SamplingParams(max_tokens=None).max_tokens is None and SamplingParams(stop="x").stop == ["x"]
 
 
 def test_admission_error_leaves_no_stale_sequence(llm, monkeypatch):
