@@ -199,14 +199,6 @@ def test_bfloat16_runs_close_to_float32(ckpt, ref):
     assert sum(t[0] == r[0] for t, r in zip(tokens(outs), ref("llama"))) >= len(PROMPTS) - 1
 
 
-def test_cli_generate(ckpt, capsys):
-    from engine.__main__ import main
-    main(["generate", "--model", ckpt("llama"), "--prompt", "3,1,4,1,5", "--prompt", "hi", "--max-tokens", "3",
-          "--num-kv-blocks", "32"])
-    out = capsys.readouterr().out
-    assert "[0.0] length" in out and "[1.0] length" in out and "tok/s" in out
-
-
 def test_model_impl_auto_and_errors(ckpt, tmp_path):
     assert LLM(ckpt("qwen2"), num_kv_blocks=8).runner.model_impl == "native"
     with pytest.raises(ValueError, match="model_impl"):
