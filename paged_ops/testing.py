@@ -1,0 +1,287 @@
+"""Test utilities for paged ops (as ``torch.testing`` is for torch): random paged batches, NaN
+poisoning, the error budget and its assertions.
+
+Every correctness check of the project — the test suite, ``bench/demo.py``, the benchmarks'
+input sets — builds its batches here, so "a random paged batch" and "close enough" mean one
+thing everywhere:
+
+- ``make_case`` builds a batch of sequences whose first ``seq_lens[s]`` tokens are cached
+  (written through the reference ``reshape_and_cache``, so fp8 caches hold exactly the bits the
+  contract says). Blocks are handed out in random order; the spare blocks no table reaches and
+  the slots past each sequence's length hold NaN, and block-table entries past a sequence's
+  length hold garbage ids (negative, past the cache, 2^30): a kernel that reads any of them
+  fails the budget with NaN or faults.
+- ``TOLERANCE`` is the budget: relative L2 error against ``paged_ops.reference`` run in
+  float64 on the same stored inputs; ``rel_err`` measures it (NaN anywhere gives NaN) and
+  ``assert_close`` checks it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from . import reference
+
+__all__ = ["TOLERANCE", "FP8_DTYPES", "GARBAGE_BLOCK_ID", "rel_err", "assert_close", "assert_bits_equal",
+           "bits", "poison", "nan_like", "empty_cache", "random_tensor", "fp8_scales", "ragged_lens",
+           "PagedCase", "make_case"]
+
+# Relative L2 error of an output against the float64 reference, by the query dtype.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Block-table filler past a sequence's length: far outside any cache, so a kernel that
+# dereferences it reads out of bounds (a fault on a GPU, a sanitizer report, NaN at best).
+GARBAGE_BLOCK_ID = 1 << 30
+
+
+# --------------------------------------------------------------------------- error measure
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 on the CPU; NaN anywhere in either gives NaN, so a
+    leaked poisoned value fails every budget."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    if out.shape != ref.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, ref {tuple(ref.shape)}")
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None = None, msg: str = "") -> float:
+    """Assert ``rel_err(out, ref) <= TOLERANCE[dtype]`` (dtype defaults to out's); returns the error."""
+    dtype = dtype or out.dtype
+    err = rel_err(out, ref)
+    where = f" ({msg})" if msg else ""
+    assert not math.isnan(err), f"output holds NaN: a poisoned slot or output row leaked{where}"
+    assert err <= TOLERANCE[dtype], f"relative L2 error {err:.3g} > {TOLERANCE[dtype]:g} for {dtype}{where}"
+    return err
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor as integers of its width, on the CPU: for bit-identity checks,
+    which NaN != NaN would defeat."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(width).cpu()
+
+
+def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
+    """Bit-identical tensors (NaN payloads included), with the first differing elements on failure."""
+    g, w = bits(got), bits(want)
+    assert g.shape == w.shape, f"shapes {tuple(g.shape)} vs {tuple(w.shape)} {msg}"
+    bad = (g != w).flatten().nonzero().flatten()
+    assert bad.numel() == 0, (f"{bad.numel()} of {g.numel()} elements differ {msg}: at {bad[:4].tolist()} "
+                              f"got bits {g.flatten()[bad[:4]].tolist()}, want {w.flatten()[bad[:4]].tolist()}")
+
+
+# --------------------------------------------------------------------------- poisoning
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill with NaN in place (fp8: the 0x7F byte, a NaN in both e4m3fn and e5m2); returns t."""
+    if t.dtype in FP8_DTYPES:
+        t.view(torch.uint8).fill_(0x7F)
+    else:
+        t.fill_(float("nan"))
+    return t
+
+
+def nan_like(t: torch.Tensor) -> torch.Tensor:
+    """A NaN-filled tensor like t: an output buffer whose unwritten rows cannot pass."""
+    return poison(torch.empty_like(t))
+
+
+def empty_cache(num_blocks, block_size, num_kv_heads, head_size, dtype, layout="NHD", device="cpu") -> torch.Tensor:
+    """A NaN-filled cache in the contract's ``[num_blocks, block_size, num_kv_heads, head_size]`` view.
+
+    layout "HND" allocates ``[num_blocks, num_kv_heads, block_size, head_size]`` and permutes it.
+    """
+    if layout == "NHD":
+        c = torch.empty(num_blocks, block_size, num_kv_heads, head_size, dtype=dtype, device=device)
+    elif layout == "HND":
+        c = torch.empty(num_blocks, num_kv_heads, block_size, head_size, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        raise ValueError(f"layout must be 'NHD' or 'HND', got {layout!r}")
+    return poison(c)
+
+
+# --------------------------------------------------------------------------- random inputs
+
+def random_tensor(shape, dtype: torch.dtype, generator: torch.Generator, device="cpu") -> torch.Tensor:
+    """Standard normal values in dtype (fp8: the saturating cast of them), drawn with generator
+    on its device and moved to device."""
+    x = torch.randn(shape, generator=generator, device=generator.device)
+    if dtype in FP8_DTYPES:
+        m = reference.fp8_max(dtype)
+        x = x.clamp(-m, m)
+    return x.to(device=device, dtype=dtype)
+
+
+def fp8_scales(cache_dtype: torch.dtype, num_kv_heads: int, scale_kind: str = "tensor",
+               generator: torch.Generator | None = None, device="cpu"):
+    """(k_scale, v_scale): float32 with 1 element (scale_kind "tensor") or num_kv_heads ("head"),
+    in [0.01, 0.06) so that standard-normal K/V use the fp8 range (outliers saturate); (None,
+    None) for a cache that is not fp8."""
+    if cache_dtype not in FP8_DTYPES:
+        return None, None
+    if scale_kind not in ("tensor", "head"):
+        raise ValueError(f"scale_kind must be 'tensor' or 'head', got {scale_kind!r}")
+    n = 1 if scale_kind == "tensor" else num_kv_heads
+    g = generator or torch.Generator().manual_seed(0)
+    return tuple((torch.rand(n, generator=g) * 0.05 + 0.01).float().to(device) for _ in range(2))
+
+
+def ragged_lens(block_size: int) -> list[int]:
+    """Sequence lengths around block boundaries: 1 token, exactly one block, one past two
+    blocks, one short of three, and a length unrelated to the block size."""
+    return [1, block_size, 2 * block_size + 1, 3 * block_size - 1, 37]
+
+
+@dataclass
+class PagedCase:
+    """A batch of sequences whose first ``seq_lens[s]`` tokens are cached.
+
+    query: [total_q, num_heads, head_size] (decode: one row per sequence); caches:
+    [num_blocks, block_size, num_kv_heads, head_size] views; block_tables int32
+    [num_seqs, max_blocks]; seq_lens int32 [num_seqs]; cu_seqlens_q int32 [num_seqs + 1].
+    """
+
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+    scale: float
+    dtype: torch.dtype
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def q_lens(self) -> list[int]:
+        return (self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]).tolist()
+
+    @property
+    def max_seqlen_q(self) -> int:
+        return max(self.q_lens, default=0)
+
+    def to(self, device) -> "PagedCase":
+        """The same batch on another device (a new case; this one is unchanged)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return replace(self, query=move(self.query), key_cache=move(self.key_cache),
+                       value_cache=move(self.value_cache), block_tables=move(self.block_tables),
+                       seq_lens=move(self.seq_lens), cu_seqlens_q=move(self.cu_seqlens_q),
+                       k_scale=move(self.k_scale), v_scale=move(self.v_scale))
+
+    def prefill_args(self, out, causal=True) -> tuple:
+        """prefill_attention's arguments, writing out."""
+        return (out, self.query, self.key_cache, self.value_cache, self.block_tables, self.cu_seqlens_q,
+                self.seq_lens, self.max_seqlen_q, self.scale, causal, self.k_scale, self.v_scale)
+
+    def decode_args(self, out) -> tuple:
+        """decode_attention's arguments, writing out (query: the whole query, one row per sequence)."""
+        return (out, self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
+                self.scale, self.k_scale, self.v_scale)
+
+    def new_out(self) -> torch.Tensor:
+        """A NaN-filled output like the query."""
+        return nan_like(self.query)
+
+    @staticmethod
+    def _on_cpu_in_float64(args: tuple) -> list:
+        # args[0]: the float64 output, args[1]: the query (widened); every other tensor on the CPU
+        args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in args]
+        args[1] = args[1].double()
+        return args
+
+    def reference_prefill(self, causal=True) -> torch.Tensor:
+        """prefill_attention by the float64 reference, on the CPU: [total_q, num_heads, head_size]."""
+        ref = torch.empty(self.query.shape, dtype=torch.float64)
+        args = self._on_cpu_in_float64(self.prefill_args(ref, causal))
+        reference.prefill_attention(*args)
+        return ref
+
+    def reference_decode(self) -> torch.Tensor:
+        """decode_attention by the float64 reference, on the CPU: [num_seqs, num_heads, head_size]."""
+        ref = torch.empty(self.query.shape, dtype=torch.float64)
+        args = self._on_cpu_in_float64(self.decode_args(ref))
+        reference.decode_attention(*args)
+        return ref
+
+
+def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_heads=4, num_kv_heads=2,
+              head_size=64, block_size=16, dtype=torch.float32, cache_dtype=None, layout="NHD",
+              scale_kind="tensor", spare_blocks=3, device="cpu", seed=0, poison_unused=True,
+              spare_columns=1) -> PagedCase:
+    """A random paged batch (see the module docstring).
+
+    seq_lens: cached tokens per sequence (>= 1 for decode; the new tokens of a prefill included).
+    q_lens: query tokens per sequence, 0 <= q_len <= seq_len (default 1 each: decode).
+    cache_dtype: the query dtype (default) or an fp8 dtype, with scales per tensor
+    (scale_kind "tensor") or per KV head ("head").
+    layout: "NHD" or "HND" (the cache allocated head-major and permuted to the contract's view).
+    spare_blocks: blocks no table reaches (an int, or a float: that fraction of the used blocks).
+    spare_columns: block-table columns past the longest sequence (garbage ids).
+    poison_unused: True: slots no sequence reaches hold NaN and K/V go through the reference
+    reshape_and_cache (tests). False: the whole pool is random and the table rows are exact
+    (benchmarks: large pools built fast, on device, no NaN slow paths).
+    """
+    seq_lens = [int(n) for n in seq_lens]
+    q_lens = [1] * len(seq_lens) if q_lens is None else [int(n) for n in q_lens]
+    if len(q_lens) != len(seq_lens):
+        raise ValueError(f"q_lens has {len(q_lens)} entries, seq_lens {len(seq_lens)}")
+    if any(not 0 <= q <= n for q, n in zip(q_lens, seq_lens)):
+        raise ValueError(f"need 0 <= q_len <= seq_len, got q_lens {q_lens}, seq_lens {seq_lens}")
+    cache_dtype = cache_dtype or dtype
+    device = torch.device(device)
+    # Poisoned cases draw on the CPU (the same numbers on every device); pools drawn on the device
+    # keep large benchmark inputs off the host.
+    g = torch.Generator(device if not poison_unused else "cpu").manual_seed(seed)
+    g_cpu = torch.Generator().manual_seed(seed + 1)
+
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    used = sum(blocks_per_seq)
+    spare = math.ceil(used * spare_blocks) if isinstance(spare_blocks, float) else spare_blocks
+    num_blocks = max(used + spare, 1)
+    max_blocks = max(blocks_per_seq + [1]) + spare_columns
+    perm = torch.randperm(num_blocks, generator=g_cpu).to(torch.int32)
+    # Entries past a sequence's length: ids before the cache, past it, and 2^30, mixed.
+    block_tables = torch.randint(-5, num_blocks * 3, (len(seq_lens), max_blocks), generator=g_cpu).to(torch.int32)
+    block_tables[:, -1] = GARBAGE_BLOCK_ID
+    taken = 0
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = perm[taken:taken + n]
+        taken += n
+    k_scale, v_scale = fp8_scales(cache_dtype, num_kv_heads, scale_kind, g_cpu)
+
+    if poison_unused:
+        kc = empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout)
+        vc = empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout)
+        slots = [block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
+                 for s, n in enumerate(seq_lens)]
+        slots = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
+        k = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
+        v = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
+        reference.reshape_and_cache(k, v, kc, vc, slots, k_scale, v_scale)
+        kc, vc = kc.to(device), vc.to(device)
+    else:
+        shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"
+                 else (num_blocks, num_kv_heads, block_size, head_size))
+        kc, vc = (random_tensor(shape, cache_dtype, g, device) for _ in range(2))
+        if layout == "HND":
+            kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+
+    cu = torch.tensor([0] + torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
+    query = random_tensor((int(cu[-1]), num_heads, head_size), dtype, g, device)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return PagedCase(query=query, key_cache=kc, value_cache=vc, block_tables=to(block_tables),
+                     seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu),
+                     k_scale=to(k_scale), v_scale=to(v_scale), scale=head_size ** -0.5, dtype=dtype)
