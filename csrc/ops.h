@@ -1,22 +1,44 @@
 // The op contract of namespace `paged`, written once.
 //
-// TORCH_LIBRARY(paged, m) registers it as the public API; every C++ backend registers the same
-// schemas in its own namespace (paged_cpu, paged_cuda_emu, paged_cuda) so that each
-// implementation stays callable on its own (paged_ops.backend(name)) while torch.ops.paged.*
-// routes between them. Semantics: paged_ops/reference.py.
+// TORCH_LIBRARY(paged, m) registers it as the public API; every backend registers the same
+// schemas in its own namespace (paged_cpu, paged_cuda_emu, paged_cuda in C++, paged_triton
+// defined in C++ with Python kernels) so that each implementation stays callable on its own
+// (paged_ops.backend(name)) while torch.ops.paged.* validates and routes between them
+// (csrc/public/). Semantics: paged_ops/reference.py.
+//
+// Conventions, so that every namespace's kernel has the one C++ signature the public op calls
+// through the dispatcher (csrc/public/dispatch.cpp): `Tensor(a!)` -> at::Tensor&, `Tensor` ->
+// const at::Tensor&, `Tensor?` -> const std::optional<at::Tensor>&, `Tensor[]` -> at::TensorList,
+// `float` -> double, `SymInt` -> int64_t in a backend kernel (c10::SymInt in the public op).
+// Size-like ints are SymInt so torch.compile(dynamic=True) traces them symbolically instead of
+// recompiling per value. New optional arguments go at the end, with a default, so existing
+// callers keep working.
 #pragma once
 
-#define PAGED_OPS_DEFINE_SCHEMAS(m)                                                              \
-  m.def("reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "                     \
-        "Tensor(b!) value_cache, Tensor slot_mapping, Tensor? k_scale, Tensor? v_scale) -> ()"); \
-  m.def("decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "  \
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, "                   \
-        "Tensor? v_scale) -> ()");                                                               \
-  m.def("prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "                     \
-        "Tensor value_cache, Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, "        \
-        "int max_seqlen_q, float scale, bool causal, Tensor? k_scale, Tensor? v_scale) -> ()");  \
-  m.def("quantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");                       \
-  m.def("dequantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()");                     \
-  m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "                       \
-        "Tensor block_mapping) -> ()");                                                          \
-  m.def("swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()")
+#define PAGED_OPS_SCHEMA_RESHAPE_AND_CACHE                                                     \
+  "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, " \
+  "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+#define PAGED_OPS_SCHEMA_DECODE_ATTENTION                                                      \
+  "decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "      \
+  "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale=None, "                  \
+  "Tensor? v_scale=None) -> ()"
+#define PAGED_OPS_SCHEMA_PREFILL_ATTENTION                                                     \
+  "prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "     \
+  "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, SymInt max_seqlen_q, "           \
+  "float scale, bool causal=True, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+#define PAGED_OPS_SCHEMA_QUANTIZE_FP8 "quantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()"
+#define PAGED_OPS_SCHEMA_DEQUANTIZE_FP8 \
+  "dequantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()"
+#define PAGED_OPS_SCHEMA_COPY_BLOCKS \
+  "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()"
+#define PAGED_OPS_SCHEMA_SWAP_BLOCKS \
+  "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()"
+
+#define PAGED_OPS_DEFINE_SCHEMAS(m)              \
+  m.def(PAGED_OPS_SCHEMA_RESHAPE_AND_CACHE);     \
+  m.def(PAGED_OPS_SCHEMA_DECODE_ATTENTION);      \
+  m.def(PAGED_OPS_SCHEMA_PREFILL_ATTENTION);     \
+  m.def(PAGED_OPS_SCHEMA_QUANTIZE_FP8);          \
+  m.def(PAGED_OPS_SCHEMA_DEQUANTIZE_FP8);        \
+  m.def(PAGED_OPS_SCHEMA_COPY_BLOCKS);           \
+  m.def(PAGED_OPS_SCHEMA_SWAP_BLOCKS)
