@@ -228,24 +228,34 @@ class LLMEngine:
             seq.cumulative_logprob += entries[token][0]
             seq.logprobs.append(self._logprob_dict(entries))
         seq.append_token(token)
-        new_chars = len(seq.detokenizer.add(token)) if seq.detokenizer else 0
-        seq.text = seq.detokenizer.text if seq.detokenizer else ""
-        if reason := self._stop(seq, new_chars):
+        reason = self._stop_token(seq)
+        # vLLM leaves a stop token's text (EOS included) out unless include_stop_str_in_output
+        new_chars = 0
+        if seq.detokenizer and (reason is None or p.include_stop_str_in_output):
+            new_chars = len(seq.detokenizer.add(token))
+            seq.text = seq.detokenizer.text
+        reason = reason or self._stop_string_or_length(seq, new_chars)
+        if reason:
             self.scheduler.finish(seq, reason)
             self.stats.output_tokens += seq.num_completion_tokens
 
-    def _stop(self, seq: Sequence, new_chars: int) -> str | None:
+    def _stop_token(self, seq: Sequence) -> str | None:
         p, token = seq.sampling_params, seq.last_token
-        if seq.num_completion_tokens >= p.min_tokens:
-            if token in self.eos_token_ids and not p.ignore_eos:
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if p.stop and new_chars and (hit := find_stop_string(seq.text, new_chars, p.stop,
-                                                                 p.include_stop_str_in_output)):
-                seq.stop_reason, seq.text = hit
-                return "stop"
+        if seq.num_completion_tokens < p.min_tokens:
+            return None
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return "stop"
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return "stop"
+        return None
+
+    def _stop_string_or_length(self, seq: Sequence, new_chars: int) -> str | None:
+        p = seq.sampling_params
+        if p.stop and new_chars and seq.num_completion_tokens >= p.min_tokens and (
+                hit := find_stop_string(seq.text, new_chars, p.stop, p.include_stop_str_in_output)):
+            seq.stop_reason, seq.text = hit
+            return "stop"
         if (p.max_tokens is not None and seq.num_completion_tokens >= p.max_tokens) or \
                 seq.num_tokens >= min(self.max_model_len, self.max_pool_len):
             return "length"

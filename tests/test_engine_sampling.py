@@ -183,3 +183,15 @@ def test_skip_special_tokens(llm):
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=p.skip_special_tokens)
     assert any(unk in o.outputs[0].token_ids for o in outs)  # the special token was really there
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_token_text_is_left_out(llm, include):
+    # vLLM: the stop token stays in token_ids, its text only with include_stop_str_in_output
+    ids = llm.generate(["hello "], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    stop = next(t for t in ids[1:] if completion_text(llm, [t]))
+    j = ids.index(stop)
+    c = llm.generate(["hello "], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[stop],
+                                                include_stop_str_in_output=include))[0].outputs[0]
+    assert c.token_ids == ids[:j + 1] and c.stop_reason == stop and c.finish_reason == "stop"
+    assert c.text == completion_text(llm, ids[:j + 1] if include else ids[:j])
