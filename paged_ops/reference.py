@@ -146,6 +146,16 @@ def copy_blocks(key_caches, value_caches, block_mapping) -> None:
 
 
 def swap_blocks(src, dst, block_mapping) -> None:
-    """``dst[d] = src[s]`` for every (s, d) row; src and dst may be on different devices."""
+    """``dst[d] = src[s]`` for every (s, d) row; src and dst may be on different devices.
+
+    Completion, when one side is a GPU (as vLLM's ``swap_blocks``): the copies are *ordered on the
+    current CUDA stream* of the GPU tensor's device, not complete on return. Work queued later on
+    that stream (kernels reading a swapped-in block) sees the data; anything else (the host reading
+    or reusing a swapped-out CPU block, another stream) must synchronize with the stream first,
+    e.g. ``torch.cuda.current_stream().synchronize()`` or an event. The host side should be pinned
+    memory (``pin_memory=True``) so the copy is truly asynchronous; pageable memory is copied
+    correctly but the call may block. ``block_mapping`` is a CPU tensor, so the op never syncs to
+    read it. On CPU-only tensors the copies are complete on return.
+    """
     for s, d in block_mapping.tolist():
         dst[d] = src[s].to(dst.device)

@@ -28,12 +28,32 @@ HEAD_SIZES = (64, 80, 96, 128, 256)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+CONFIG_FIELDS = ("threads", "partition", "kv_tile", "force_split", "tc")  # kernels/params.h LaunchConfig
+
+
+def config_list(**kw) -> list[int]:
+    assert set(kw) <= set(CONFIG_FIELDS), f"unknown launch config keys {set(kw) - set(CONFIG_FIELDS)}"
+    return [int(kw.get(k, 0)) for k in CONFIG_FIELDS]
+
+
+class ConfiguredOps:
+    """The emulator's attention kernels launched with an explicit configuration
+    (torch.ops.paged_cuda_emu_test.*_config: test-only, no validation)."""
+
+    def __init__(self, config: list[int]):
+        self.config = config
+
+    def decode_attention(self, *args):
+        torch.ops.paged_cuda_emu_test.decode_attention_config(*args, self.config)
+
+    def prefill_attention(self, *args):
+        torch.ops.paged_cuda_emu_test.prefill_attention_config(*args, self.config)
+
+
 @pytest.fixture
-def launch_config(monkeypatch):
-    """Force a launch configuration (PAGED_CUDA_CONFIG, read by the bindings at every call)."""
-    def set_config(**kw):
-        monkeypatch.setenv("PAGED_CUDA_CONFIG", ",".join(f"{k}={v}" for k, v in kw.items()))
-    return set_config
+def launch_config():
+    """launch_config(threads=..., partition=..., ...) -> ops that launch with that configuration."""
+    return lambda **kw: ConfiguredOps(config_list(**kw))
 
 
 def ragged_lens(block_size: int) -> list[int]:
@@ -97,19 +117,19 @@ def test_decode_other_head_sizes(head_size):
 def test_decode_split_kv(launch_config, group, dtype, partition, threads, cache_dtype):
     # The split-KV path with its log-sum-exp merge: partitions that are empty for short
     # sequences, partial last partitions, partition sizes that do not divide the block size.
-    launch_config(force_split=1, partition=partition, threads=threads)
+    ops = launch_config(force_split=1, partition=partition, threads=threads)
     case = make_case([1, partition, partition + 1, 150, 3 * partition - 1], num_heads=2 * group, num_kv_heads=2,
                      head_size=(64, 128, 96, 80, 256)[group % 5], block_size=16, dtype=dtype,
                      cache_dtype=cache_dtype, scale_kind=("tensor", "head")[group % 2],
                      layout=("NHD", "HND")[group % 2], seed=group)
-    check_decode(case)
+    check_decode(case, ops)
 
 
 def test_decode_one_pass_forced(launch_config):
-    launch_config(partition=-1)
+    ops = launch_config(partition=-1)
     case = make_case([1, 200, 333], num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=torch.float16, seed=3)
-    check_decode(case)
+    check_decode(case, ops)
 
 
 # ---- decode, groups > 8: the shared-KV kernel --------------------------------------------------
@@ -156,12 +176,12 @@ def test_decode_large_group_fp8(group, cache_dtype, scale_kind, head_size, dtype
     (16, dict(threads=32, kv_tile=5), None),     # one warp per tile, tiny chunks
     (24, dict(threads=256, partition=-1), torch.float8_e5m2)])  # several warps per tile, one pass
 def test_decode_large_group_configs(launch_config, group, config, cache_dtype):
-    launch_config(**config)
+    ops = launch_config(**config)
     case = make_case([1, 31, 32, 33, 150], num_heads=2 * group, num_kv_heads=2, head_size=(64, 128, 80)[group % 3],
                      block_size=16, dtype=(torch.float16, torch.bfloat16, torch.float32)[group % 3],
                      cache_dtype=cache_dtype, scale_kind=("tensor", "head")[group % 2], layout=("NHD", "HND")[group % 2],
                      seed=group)
-    check_decode(case)
+    check_decode(case, ops)
 
 
 def test_decode_large_group_unaligned_cache():
@@ -177,17 +197,16 @@ def test_decode_large_group_unaligned_cache():
 
 @pytest.mark.parametrize("group,config", [(1, ""), (8, ""), (12, ""), (16, ""), (32, "force_split=1,partition=40"),
                                           (64, "threads=256"), (80, ""), (130, "")])
-def test_decode_reads_kv_once_per_group(monkeypatch, group, config):
+def test_decode_reads_kv_once_per_group(group, config):
     # The emulator counts the bytes the kernels' load helpers read from the two caches. Every live
     # KV token must be read exactly once for a group of up to 64 heads (before the shared-KV kernel,
     # group 16 read it twice, group 64 eight times), and once per 64-head chunk beyond that.
-    if config:
-        monkeypatch.setenv("PAGED_CUDA_CONFIG", config)
+    config = config_list(**{k: int(v) for k, v in (kv.split("=") for kv in config.split(",") if kv)})
     lens, kv_heads, head_size = [1, 16, 65, 131], 2, 64
     case = make_case(lens, num_heads=group * kv_heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
                      dtype=torch.float16, seed=group)
     out = nan_like(case.query)
-    read = torch.ops.paged_cuda_emu.decode_kv_bytes_read(*case.decode_args(out))
+    read = torch.ops.paged_cuda_emu_test.decode_kv_bytes_read(*case.decode_args(out), config)
     assert_close(out, case.reference_prefill(), case.dtype)
     once = 2 * sum(lens) * kv_heads * head_size * case.key_cache.element_size()  # K and V of live tokens
     assert read == once * -(-group // 64)
@@ -238,24 +257,23 @@ PREFILL_PATHS = [("default",) + c for c in PREFILL_GRID] + \
 
 @pytest.mark.parametrize("path,block_size,group,dtype,head_size,layout,causal", PREFILL_PATHS)
 def test_prefill(launch_config, path, block_size, group, dtype, head_size, layout, causal):
-    if path == "cuda_cores":
-        launch_config(tc=-1)
+    ops = launch_config(tc=-1) if path == "cuda_cores" else emu
     # Chunked prefill: cached context before the new tokens, a q_len = 1 (decode) row, a fresh
     # prompt (q_len = seq_len), a sequence with no new tokens, exact block boundaries.
     seq_lens = [1, 2 * block_size, 21, 9, 6]
     q_lens = [1, block_size, 5, 9, 0]
     case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                      block_size=block_size, dtype=dtype, layout=layout, seed=block_size * 10 + group)
-    check_prefill(case, causal)
+    check_prefill(case, causal, ops)
 
 
 @pytest.mark.parametrize("kv_tile,threads", [(16, 64), (64, 256), (7, 128)])
 def test_prefill_launch_configs(launch_config, kv_tile, threads):
-    launch_config(kv_tile=kv_tile, threads=threads, tc=-1)
+    ops = launch_config(kv_tile=kv_tile, threads=threads, tc=-1)
     case = make_case([40, 13], q_lens=[33, 13], num_heads=14, num_kv_heads=2, head_size=96, block_size=16,
                      dtype=torch.float16, seed=kv_tile)
-    check_prefill(case)
-    check_prefill(case, causal=False)
+    check_prefill(case, ops=ops)
+    check_prefill(case, causal=False, ops=ops)
 
 
 def test_public_ops_route_to_cuda_emu():

@@ -38,16 +38,35 @@ def to_device(case, device):
     return case
 
 
-def check_decode(case):
+CONFIG_FIELDS = ("threads", "partition", "kv_tile", "force_split", "tc")  # kernels/params.h LaunchConfig
+
+
+class configured:
+    """The GPU attention kernels launched with an explicit configuration, e.g. "force_split=1,partition=64"
+    (torch.ops.paged_cuda_test.*_config: test-only, no validation); "" = the kernels' defaults."""
+
+    def __init__(self, spec: str):
+        kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
+        assert set(kw) <= set(CONFIG_FIELDS), f"unknown launch config keys {set(kw) - set(CONFIG_FIELDS)}"
+        self.config = [kw.get(k, 0) for k in CONFIG_FIELDS]
+
+    def decode_attention(self, *args):
+        torch.ops.paged_cuda_test.decode_attention_config(*args, self.config)
+
+    def prefill_attention(self, *args):
+        torch.ops.paged_cuda_test.prefill_attention_config(*args, self.config)
+
+
+def check_decode(case, ops=None):
     out = nan_like(case.query)
-    gpu().decode_attention(*case.decode_args(out))
+    (ops or gpu()).decode_attention(*case.decode_args(out))
     torch.cuda.synchronize()
     assert_close(out, case.reference_prefill(), case.dtype)
 
 
-def check_prefill(case, causal=True):
+def check_prefill(case, causal=True, ops=None):
     out = nan_like(case.query)
-    gpu().prefill_attention(*case.prefill_args(out, causal))
+    (ops or gpu()).prefill_attention(*case.prefill_args(out, causal))
     torch.cuda.synchronize()
     assert_close(out, case.reference_prefill(causal), case.dtype)
 
@@ -68,12 +87,10 @@ def test_decode(device, block_size, group, dtype, head_size, layout):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", ""])
 @pytest.mark.parametrize("cache_dtype,scale_kind", [(None, "tensor")] + list(itertools.product(FP8, ("tensor", "head"))))
-def test_decode_paths_fp8(monkeypatch, device, split, cache_dtype, scale_kind):
-    if split:
-        monkeypatch.setenv("PAGED_CUDA_CONFIG", split)
+def test_decode_paths_fp8(device, split, cache_dtype, scale_kind):
     case = make_case([1, 63, 64, 65, 2000], num_heads=14, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=torch.bfloat16, cache_dtype=cache_dtype, scale_kind=scale_kind, layout="HND", seed=1)
-    check_decode(to_device(case, device))
+    check_decode(to_device(case, device), configured(split))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,15 +98,13 @@ def test_decode_paths_fp8(monkeypatch, device, split, cache_dtype, scale_kind):
 @pytest.mark.parametrize("group,head_size,dtype,cache_dtype", [
     (16, 128, torch.bfloat16, None), (32, 64, torch.float16, torch.float8_e4m3fn), (64, 256, torch.float32, None),
     (80, 128, torch.bfloat16, torch.float8_e5m2)])
-def test_decode_large_group(monkeypatch, device, split, group, head_size, dtype, cache_dtype):
+def test_decode_large_group(device, split, group, head_size, dtype, cache_dtype):
     # Groups > 8: the shared-KV kernel (cp.async staging, several warp tiles per block; > 64 heads
     # in head chunks), one-pass and split-KV, with lengths around the 64-token staging chunk.
-    if split:
-        monkeypatch.setenv("PAGED_CUDA_CONFIG", split)
     case = make_case([1, 63, 64, 65, 129, 2000], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                      block_size=16, dtype=dtype, cache_dtype=cache_dtype, scale_kind="head",
                      layout=("NHD", "HND")[group % 3 == 1], seed=group)
-    check_decode(to_device(case, device))
+    check_decode(to_device(case, device), configured(split))
 
 
 PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2], bool(i % 4))
@@ -99,14 +114,13 @@ PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2],
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", ["tc=1", "tc=-1"])
 @pytest.mark.parametrize("block_size,group,dtype,head_size,layout,causal", PREFILL_GRID)
-def test_prefill(monkeypatch, device, path, block_size, group, dtype, head_size, layout, causal):
+def test_prefill(device, path, block_size, group, dtype, head_size, layout, causal):
     # Both kernels on the same cases: tensor cores (fp16/bf16; fp32 falls back) and CUDA cores.
-    monkeypatch.setenv("PAGED_CUDA_CONFIG", path)
     seq_lens = [1, 2 * block_size, 210, 90, 6]
     q_lens = [1, block_size, 50, 90, 0]
     case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                      block_size=block_size, dtype=dtype, layout=layout, seed=block_size * 10 + group)
-    check_prefill(to_device(case, device), causal)
+    check_prefill(to_device(case, device), causal, configured(path))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -186,15 +200,14 @@ def test_swap_blocks(device, direction):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_prefill_tc_matches_cuda_cores(device, monkeypatch):
+def test_prefill_tc_matches_cuda_cores(device):
     # The two prefill kernels agree closely with each other (not only each with the reference).
     case = to_device(make_case([700, 300], q_lens=[500, 300], num_heads=32, num_kv_heads=8, head_size=128,
                                block_size=16, dtype=torch.float16, seed=8), device)
     outs = []
     for path in ("tc=1", "tc=-1"):
-        monkeypatch.setenv("PAGED_CUDA_CONFIG", path)
         out = nan_like(case.query)
-        gpu().prefill_attention(*case.prefill_args(out))
+        configured(path).prefill_attention(*case.prefill_args(out))
         outs.append(out.double())
     assert ((outs[0] - outs[1]).norm() / outs[1].norm()).item() < 1e-3
 

@@ -1,96 +1,124 @@
-// Backend `cuda`: torch bindings of the GPU kernels (launchers in csrc/cuda/*.cu). Tensors become raw
-// pointers and strides here; the kernels run on the current CUDA stream of the tensors' device.
+// Backend `cuda`: registers the GPU kernels as torch.ops.paged_cuda.* (CUDA dispatch key). Each op
+// sets the device guard and names its target (launcher tables, current stream, SM count, tuned
+// launch configuration); csrc/cuda/binding.h does the rest. Test-only ops (an explicit launch
+// configuration) are in the separate namespace paged_cuda_test.
 // c10/cuda only: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE headers a minimal toolkit lacks.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
 #include <torch/library.h>
 
-#include "cuda/binding_common.h"
-#include "cuda/launchers.h"
+#include <array>
+#include <atomic>
+
+#include "cuda/binding.h"
 #include "cuda/tuning.h"
 #include "ops.h"
 
 namespace paged_cuda {
 namespace {
-namespace L = launchers;
 
-cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream(); }
+namespace B = paged::binding;
+using at::Tensor;
+using B::OptTensor;
 
 void check(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "paged_cuda: ", what, ": ", cudaGetErrorString(e));
 }
 
-struct CudaBackend {
-  static int num_sms(const at::Tensor& t) {
-    int n = 0;
-    check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, t.get_device()), "cudaDeviceGetAttribute");
-    return n;
-  }
-  // The tuned configuration for this shape if one was recorded (paged_ops/cuda_tuning.py), else
-  // the kernels' defaults; PAGED_CUDA_CONFIG overrides both (the tuner times candidates with it).
-  static LaunchConfig config(const AttentionParams& p, bool decode) {
-    if (std::getenv("PAGED_CUDA_CONFIG")) return binding::config_from_env();
-    return tuning::lookup(tuning::shape_key(p, decode));
-  }
-  static size_t decode_workspace_floats(const AttentionParams& p, const LaunchConfig& c) {
-    return L::decode_workspace_floats(p, c);
-  }
-  static void decode(const AttentionParams& p, const LaunchConfig& c, float* ws) {
-    L::decode_attention(p, c, ws, stream());
-  }
-  static void prefill(const AttentionParams& p, const LaunchConfig& c) { L::prefill_attention(p, c, stream()); }
-  static void reshape_and_cache(const ReshapeCacheParams& p) { L::reshape_and_cache(p, stream()); }
-  static void quantize(void* o, int od, const void* i, int id, const float* s, int64_t n, int mb) {
-    L::quantize_fp8(o, od, i, id, s, n, mb, stream());
-  }
-  static void dequantize(void* o, int od, const void* i, int id, const float* s, int64_t n, int mb) {
-    L::dequantize_fp8(o, od, i, id, s, n, mb, stream());
-  }
-  static void copy_blocks(const CacheDesc* c, int nc, const int64_t* m, int np) { L::copy_blocks(c, nc, m, np, stream()); }
-  // Any direction (host<->device, device<->device): unified addressing lets cudaMemcpyDefault infer it.
-  static void memcpy(void* d, const void* s, size_t n, at::Device, at::Device) {
-    check(cudaMemcpyAsync(d, s, n, cudaMemcpyDefault, stream()), "cudaMemcpyAsync");
-  }
-  static void after_swap(at::Device, at::Device) {}
-};
+int num_sms(int device) {
+  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
+  if (slot && slot->load(std::memory_order_relaxed)) return slot->load(std::memory_order_relaxed);
+  int n = 0;
+  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
+  if (slot) slot->store(n, std::memory_order_relaxed);
+  return n;
+}
 
-void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                       const at::Tensor& slot_mapping, const binding::OptTensor& k_scale,
-                       const binding::OptTensor& v_scale) {
+// Any direction (host<->device, device<->device): unified addressing lets cudaMemcpyDefault infer
+// it. Asynchronous on the stream when the host side is pinned.
+void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream stream) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)), "cudaMemcpyAsync");
+}
+
+paged::LaunchConfig tuned(const paged::AttentionParams& p, bool decode) {
+  return tuning::lookup(tuning::shape_key(p, decode));
+}
+
+B::Target target(const at::Device& device) {
+  const int index = device.index() >= 0 ? device.index() : c10::cuda::current_device();
+  return B::Target{&paged::kCudaAttention, &paged::kCudaCache, c10::cuda::getCurrentCUDAStream(index).stream(),
+                   num_sms(index), copy_bytes, tuned};
+}
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
   const c10::cuda::CUDAGuard guard(key_cache.device());
-  binding::reshape_and_cache<CudaBackend>(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+  B::reshape_and_cache(target(key_cache.device()), key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
 }
-void decode_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                      double scale, const binding::OptTensor& k_scale, const binding::OptTensor& v_scale) {
+void decode_attention_with(const paged::LaunchConfig* cfg, Tensor& out, const Tensor& query, const Tensor& key_cache,
+                           const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                           const OptTensor& k_scale, const OptTensor& v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
-  binding::decode_attention<CudaBackend>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
-                                         v_scale);
+  B::decode_attention(target(query.device()), cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                      k_scale, v_scale);
 }
-void prefill_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                       const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& cu_seqlens_q,
-                       const at::Tensor& seq_lens, int64_t max_seqlen_q, double scale, bool causal,
-                       const binding::OptTensor& k_scale, const binding::OptTensor& v_scale) {
+void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& block_tables, const Tensor& seq_lens, double scale, const OptTensor& k_scale,
+                      const OptTensor& v_scale) {
+  decode_attention_with(nullptr, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+}
+void prefill_attention_with(const paged::LaunchConfig* cfg, Tensor& out, const Tensor& query, const Tensor& key_cache,
+                            const Tensor& value_cache, const Tensor& block_tables, const Tensor& cu_seqlens_q,
+                            const Tensor& seq_lens, int64_t max_seqlen_q, double scale, bool causal,
+                            const OptTensor& k_scale, const OptTensor& v_scale) {
   const c10::cuda::CUDAGuard guard(query.device());
-  binding::prefill_attention<CudaBackend>(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                                          max_seqlen_q, scale, causal, k_scale, v_scale);
+  B::prefill_attention(target(query.device()), cfg, out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
+                       seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale);
 }
-void quantize_fp8(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale) {
+void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                       int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
+                       const OptTensor& v_scale) {
+  prefill_attention_with(nullptr, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                         max_seqlen_q, scale, causal, k_scale, v_scale);
+}
+void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   const c10::cuda::CUDAGuard guard(input.device());
-  binding::quantize_fp8<CudaBackend>(out, input, scale);
+  B::quantize_fp8(target(input.device()), out, input, scale);
 }
-void dequantize_fp8(at::Tensor& out, const at::Tensor& input, const at::Tensor& scale) {
+void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   const c10::cuda::CUDAGuard guard(input.device());
-  binding::dequantize_fp8<CudaBackend>(out, input, scale);
+  B::dequantize_fp8(target(input.device()), out, input, scale);
 }
-void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const Tensor& block_mapping) {
+  if (key_caches.empty()) return;
   const c10::cuda::CUDAGuard guard(key_caches[0].device());
-  binding::copy_blocks<CudaBackend>(key_caches, value_caches, block_mapping);
+  B::copy_blocks(target(key_caches[0].device()), key_caches, value_caches, block_mapping);
 }
-// src or dst may be on the CPU: the op is dispatched on whichever is the CUDA tensor.
-void swap_blocks(const at::Tensor& src, at::Tensor& dst, const at::Tensor& block_mapping) {
-  const c10::cuda::CUDAGuard guard(src.is_cuda() ? src.device() : dst.device());
-  binding::swap_blocks<CudaBackend>(src, dst, block_mapping);
+// src or dst may be on the CPU (pinned, for the copy to be asynchronous): the op is dispatched on
+// whichever is the CUDA tensor, and ordered on that device's current stream.
+void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
+  const at::Device device = src.is_cuda() ? src.device() : dst.device();
+  const c10::cuda::CUDAGuard guard(device);
+  B::swap_blocks(target(device), src, dst, block_mapping);
+}
+
+// ---- test namespace: the same kernels with an explicit launch configuration ----------------------
+void decode_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config) {
+  const paged::LaunchConfig cfg = B::config_from_list(config);
+  decode_attention_with(&cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+}
+void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                              int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
+                              const OptTensor& v_scale, at::IntArrayRef config) {
+  const paged::LaunchConfig cfg = B::config_from_list(config);
+  prefill_attention_with(&cfg, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                         scale, causal, k_scale, v_scale);
 }
 
 }  // namespace
@@ -115,4 +143,19 @@ TORCH_LIBRARY_IMPL(paged_cuda, CUDA, m) {
   m.impl("dequantize_fp8", &paged_cuda::dequantize_fp8);
   m.impl("copy_blocks", &paged_cuda::copy_blocks);
   m.impl("swap_blocks", &paged_cuda::swap_blocks);
+}
+
+// Test-only (tests, the tuner): config = [threads, partition_size, kv_tile, force_split,
+// tensor_cores], kernels/params.h LaunchConfig; no validation of the tensors.
+TORCH_LIBRARY(paged_cuda_test, m) {
+  m.def("decode_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+  m.def("prefill_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
+        "Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(paged_cuda_test, CUDA, m) {
+  m.impl("decode_attention_config", &paged_cuda::decode_attention_config);
+  m.impl("prefill_attention_config", &paged_cuda::prefill_attention_config);
 }

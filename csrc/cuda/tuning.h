@@ -1,7 +1,8 @@
 // Launch tuning registry of the GPU backend. A shape key (op, dtypes, head size, group, block size,
 // power-of-two buckets of batch and context) maps to the LaunchConfig the tuner measured fastest.
-// The tuner itself is Python (paged_ops/cuda_tuning.py): it times candidates through
-// PAGED_CUDA_CONFIG, records the winner here with paged_cuda::set_tuned_config and persists it in
+// The tuner itself is Python (paged_ops/cuda_tuning.py): it times candidates through the test
+// namespace's explicit-config ops (paged_cuda_test::decode_attention_config /
+// prefill_attention_config), records the winner here with paged_cuda::set_tuned_config and persists it in
 // ~/.cache/paged_ops/cuda_tuning.json (for people) and cuda_tuning.tsv (for this loader: one
 // "key threads partition kv_tile tc" line per shape). The registry reads the .tsv on its first
 // lookup, so a new process uses earlier tuning without importing the tuner.
@@ -18,7 +19,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "cuda/binding_common.h"
+#include "cuda/binding.h"
 #include "kernels/params.h"
 
 namespace paged_cuda {
@@ -40,15 +41,15 @@ inline std::string shape_key(int dtype, int cache_dtype, int head_size, int grou
          std::to_string(pow2_bucket(num_seqs)) + "|l" + std::to_string(pow2_bucket(len));
 }
 
-inline std::string shape_key(const AttentionParams& p, bool decode) {
-  const int64_t len = decode ? int64_t(p.max_blocks_per_seq) * p.block_size : p.max_seqlen_q;
-  return shape_key(p.dtype, p.cache_dtype, p.head_size, p.num_heads / p.num_kv_heads, p.num_kv_heads, p.block_size,
-                   p.num_seqs, len, decode, p.num_sms);
+inline std::string shape_key(const paged::AttentionParams& p, bool decode) {
+  const int64_t len = decode ? p.max_blocks_per_seq * p.block_size : p.max_seqlen_q;
+  return shape_key(int(p.dtype), int(p.cache_dtype), p.head_size, p.num_heads / p.num_kv_heads, p.num_kv_heads,
+                   p.block_size, p.num_seqs, len, decode, p.num_sms);
 }
 
 struct Registry {
   std::mutex mu;
-  std::unordered_map<std::string, LaunchConfig> configs;
+  std::unordered_map<std::string, paged::LaunchConfig> configs;
 };
 
 inline std::string cache_file() {
@@ -65,7 +66,7 @@ inline Registry& registry() {
     while (std::getline(in, line)) {
       std::istringstream ls(line);
       std::string key;
-      LaunchConfig c;
+      paged::LaunchConfig c;
       if (ls >> key >> c.threads >> c.partition_size >> c.kv_tile >> c.tensor_cores) reg->configs[key] = c;
     }
     return reg;
@@ -73,18 +74,18 @@ inline Registry& registry() {
   return *r;
 }
 
-inline LaunchConfig lookup(const std::string& key) {
+inline paged::LaunchConfig lookup(const std::string& key) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.configs.find(key);
-  return it == r.configs.end() ? LaunchConfig{} : it->second;
+  return it == r.configs.end() ? paged::LaunchConfig{} : it->second;
 }
 
 inline void set_config(const std::string& key, int64_t threads, int64_t partition_size, int64_t kv_tile,
                        int64_t tensor_cores) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  LaunchConfig c;
+  paged::LaunchConfig c;
   c.threads = int(threads);
   c.partition_size = int(partition_size);
   c.kv_tile = int(kv_tile);
@@ -98,14 +99,14 @@ inline std::vector<int64_t> get_config(const std::string& key) {
   std::lock_guard<std::mutex> lock(r.mu);
   auto it = r.configs.find(key);
   if (it == r.configs.end()) return {0, 0, 0, 0, 0};
-  const LaunchConfig& c = it->second;
+  const paged::LaunchConfig& c = it->second;
   return {c.threads, c.partition_size, c.kv_tile, c.tensor_cores, 1};
 }
 
 
 inline std::string key_for_tensors(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables,
                                    int64_t num_seqs_or_max_q, bool decode) {
-  const auto code = binding::dtype_code;  // the codes the kernels dispatch on
+  const auto code = [](at::ScalarType t) { return int(paged::binding::dtype_code(t)); };  // the kernels' codes
   const int group = int(query.size(1) / key_cache.size(2));
   const int64_t num_seqs = block_tables.size(0);
   const int64_t len = decode ? block_tables.size(1) * key_cache.size(1) : num_seqs_or_max_q;

@@ -1,31 +1,25 @@
-// The attention kernels of csrc/kernels, compiled by the host compiler over the CUDA emulator.
+// Emulator build of the attention launchers: the kEmuAttention table of kernels/launch.h over the
+// kernels of csrc/kernels, compiled by the host compiler against the CUDA emulator.
 #include "emu/cuda_emu.h"
 #define PAGED_KERNEL_NS paged_cuda_emu_impl
 #include "kernels/decode.cuh"
+#include "kernels/launch.h"
 #include "kernels/prefill.cuh"
-#include "cuda/launchers.h"
 
-namespace paged_cuda_emu {
-namespace launchers {
-namespace k = ::paged_cuda_emu_impl;
+namespace paged {
 
-size_t decode_workspace_floats(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& cfg) {
-  return k::decode::plan(p, cfg).workspace_floats;
-}
-void decode_attention(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& cfg, float* workspace,
-                      cudaStream_t stream) {
-  k::decode::launch(p, cfg, workspace, stream);
-}
-void prefill_attention(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& cfg,
-                       cudaStream_t stream) {
-  k::prefill::launch_auto(p, cfg, stream);
-}
+const AttentionLaunchers kEmuAttention = {
+    [](const AttentionParams& p, const DecodePlan& plan, float* workspace, Stream stream) {
+      paged_cuda_emu_impl::decode::launch(p, plan, workspace, stream);
+    },
+    [](const AttentionParams& p, const PrefillPlan& plan, Stream stream) {
+      paged_cuda_emu_impl::prefill::launch(p, plan, stream);
+    },
+};
 
-}  // namespace launchers
-
-// Load accounting (cuda_emu::LoadWatch) for tests, exposed here because this file already sees the
-// emulator header, which ops.cpp (torch headers) must not include.
-void load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
+// Load accounting (cuda_emu::LoadWatch) for the test namespace's decode_kv_bytes_read, here because
+// this file already sees the emulator header, which the torch binding must not include.
+void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   cuda_emu::LoadWatch& w = cuda_emu::load_watch();
   w.lo[0] = reinterpret_cast<uintptr_t>(a);
   w.hi[0] = reinterpret_cast<uintptr_t>(a) + a_bytes;
@@ -34,10 +28,10 @@ void load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_byt
   w.bytes = 0;
   w.on = true;
 }
-uint64_t load_watch_end() {
+uint64_t emu_load_watch_end() {
   cuda_emu::LoadWatch& w = cuda_emu::load_watch();
   w.on = false;
   return w.bytes.load();
 }
 
-}  // namespace paged_cuda_emu
+}  // namespace paged

@@ -1,92 +1,127 @@
-// Backend `cuda_emu`: the CUDA kernels run on CPU tensors by the emulator (csrc/emu/cuda_emu.h).
-// Same op bodies as the GPU backend (cuda/binding_common.h); launches are synchronous, the
-// "stream" is null and the launch configuration is the kernels' fixed default unless
-// PAGED_CUDA_CONFIG overrides it (the tests force the split-KV path that way).
+// Backend `cuda_emu`: the CUDA kernels run on CPU tensors by the emulator (csrc/emu/cuda_emu.h),
+// registered as torch.ops.paged_cuda_emu.* (CPU dispatch key). Same binding as the GPU backend
+// (csrc/cuda/binding.h) over the emulator's launcher tables (kernels_*.cpp); launches are
+// synchronous, there is no stream, and the launch configuration is the kernels' default. Test-only
+// ops (an explicit launch configuration, the KV byte counter) are in the namespace
+// paged_cuda_emu_test.
 #include <torch/library.h>
 
 #include <cstring>
 
-#include "cuda/binding_common.h"
-#include "cuda/launchers.h"
+#include "cuda/binding.h"
 #include "ops.h"
+
+namespace paged {
+void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_attention.cpp
+uint64_t emu_load_watch_end();
+}  // namespace paged
 
 namespace paged_cuda_emu {
 namespace {
-namespace L = launchers;
 
-struct EmuBackend {
-  // What the GPU heuristics see on the emulator: an H100-sized device, so the emulated launches
-  // take the same decisions (one-pass vs split-KV) as the GPU would at the same shapes.
-  static int num_sms(const at::Tensor&) { return 132; }
-  static paged_cuda::LaunchConfig config(const paged_cuda::AttentionParams&, bool) {
-    return paged_cuda::binding::config_from_env();
-  }
-  static size_t decode_workspace_floats(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& c) {
-    return L::decode_workspace_floats(p, c);
-  }
-  static void decode(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& c, float* ws) {
-    L::decode_attention(p, c, ws, nullptr);
-  }
-  static void prefill(const paged_cuda::AttentionParams& p, const paged_cuda::LaunchConfig& c) {
-    L::prefill_attention(p, c, nullptr);
-  }
-  static void reshape_and_cache(const paged_cuda::ReshapeCacheParams& p) { L::reshape_and_cache(p, nullptr); }
-  static void quantize(void* o, int od, const void* i, int id, const float* s, int64_t n, int mb) {
-    L::quantize_fp8(o, od, i, id, s, n, mb, nullptr);
-  }
-  static void dequantize(void* o, int od, const void* i, int id, const float* s, int64_t n, int mb) {
-    L::dequantize_fp8(o, od, i, id, s, n, mb, nullptr);
-  }
-  static void copy_blocks(const paged_cuda::CacheDesc* c, int nc, const int64_t* m, int np) {
-    L::copy_blocks(c, nc, m, np, nullptr);
-  }
-  static void memcpy(void* d, const void* s, size_t n, at::Device, at::Device) { std::memcpy(d, s, n); }
-  static void after_swap(at::Device, at::Device) {}
-};
+namespace B = paged::binding;
+using at::Tensor;
+using B::OptTensor;
 
-namespace B = paged_cuda::binding;
-}  // namespace
+void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream) { std::memcpy(dst, src, bytes); }
 
-void load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_attention.cpp
-uint64_t load_watch_end();
+// What the GPU heuristics see on the emulator: an H100-sized device (132 SMs), so the emulated
+// launches take the same decisions (one-pass vs split-KV) as the GPU would at the same shapes.
+const B::Target kTarget{&paged::kEmuAttention, &paged::kEmuCache, nullptr, 132, copy_bytes, nullptr};
 
-namespace {
-// decode_attention that also returns how many bytes its kernels read from the two KV caches'
-// storages (through the kernels' load helpers). Tests compare it with the bytes of the live tokens
-// to prove each KV token is read once per query group.
-int64_t decode_kv_bytes_read(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                             double scale, const B::OptTensor& k_scale, const B::OptTensor& v_scale) {
-  auto range = [](const at::Tensor& t) { return std::make_pair(t.storage().data(), t.storage().nbytes()); };
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
+  B::reshape_and_cache(kTarget, key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+}
+void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& block_tables, const Tensor& seq_lens, double scale, const OptTensor& k_scale,
+                      const OptTensor& v_scale) {
+  B::decode_attention(kTarget, nullptr, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
+                      v_scale);
+}
+void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                       int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
+                       const OptTensor& v_scale) {
+  B::prefill_attention(kTarget, nullptr, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                       max_seqlen_q, scale, causal, k_scale, v_scale);
+}
+void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) { B::quantize_fp8(kTarget, out, input, scale); }
+void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
+  B::dequantize_fp8(kTarget, out, input, scale);
+}
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const Tensor& block_mapping) {
+  B::copy_blocks(kTarget, key_caches, value_caches, block_mapping);
+}
+void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
+  B::swap_blocks(kTarget, src, dst, block_mapping);
+}
+
+// ---- test namespace ---------------------------------------------------------------------------
+void decode_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config) {
+  const paged::LaunchConfig cfg = B::config_from_list(config);
+  B::decode_attention(kTarget, &cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
+                      v_scale);
+}
+void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                              int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
+                              const OptTensor& v_scale, at::IntArrayRef config) {
+  const paged::LaunchConfig cfg = B::config_from_list(config);
+  B::prefill_attention(kTarget, &cfg, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                       max_seqlen_q, scale, causal, k_scale, v_scale);
+}
+
+// decode_attention_config that also returns how many bytes its kernels read from the two KV
+// caches' storages (through the kernels' load helpers). Tests compare it with the bytes of the
+// live tokens to prove each KV token is read once per query group.
+int64_t decode_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config) {
+  auto range = [](const Tensor& t) { return std::make_pair(t.storage().data(), t.storage().nbytes()); };
   const auto k = range(key_cache), v = range(value_cache);
-  load_watch_begin(k.first, k.second, v.first, v.second);
+  paged::emu_load_watch_begin(k.first, k.second, v.first, v.second);
   try {
-    B::decode_attention<EmuBackend>(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
-                                    v_scale);
+    decode_attention_config(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                            config);
   } catch (...) {
-    load_watch_end();
+    paged::emu_load_watch_end();
     throw;
   }
-  return int64_t(load_watch_end());
+  return int64_t(paged::emu_load_watch_end());
 }
+
 }  // namespace
 }  // namespace paged_cuda_emu
 
-TORCH_LIBRARY(paged_cuda_emu, m) {
-  PAGED_OPS_DEFINE_SCHEMAS(m);
-  m.def("decode_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale) -> int",
-        &paged_cuda_emu::decode_kv_bytes_read);
-}
+TORCH_LIBRARY(paged_cuda_emu, m) { PAGED_OPS_DEFINE_SCHEMAS(m); }
 
 TORCH_LIBRARY_IMPL(paged_cuda_emu, CPU, m) {
-  using E = paged_cuda_emu::EmuBackend;
-  namespace B = paged_cuda::binding;
-  m.impl("reshape_and_cache", &B::reshape_and_cache<E>);
-  m.impl("decode_attention", &B::decode_attention<E>);
-  m.impl("prefill_attention", &B::prefill_attention<E>);
-  m.impl("quantize_fp8", &B::quantize_fp8<E>);
-  m.impl("dequantize_fp8", &B::dequantize_fp8<E>);
-  m.impl("copy_blocks", &B::copy_blocks<E>);
-  m.impl("swap_blocks", &B::swap_blocks<E>);
+  m.impl("reshape_and_cache", &paged_cuda_emu::reshape_and_cache);
+  m.impl("decode_attention", &paged_cuda_emu::decode_attention);
+  m.impl("prefill_attention", &paged_cuda_emu::prefill_attention);
+  m.impl("quantize_fp8", &paged_cuda_emu::quantize_fp8);
+  m.impl("dequantize_fp8", &paged_cuda_emu::dequantize_fp8);
+  m.impl("copy_blocks", &paged_cuda_emu::copy_blocks);
+  m.impl("swap_blocks", &paged_cuda_emu::swap_blocks);
+}
+
+// Test-only: config = [threads, partition_size, kv_tile, force_split, tensor_cores] (kernels/params.h
+// LaunchConfig; [] = defaults); no validation of the tensors.
+TORCH_LIBRARY(paged_cuda_emu_test, m) {
+  m.def("decode_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+  m.def("prefill_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
+        "Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+  m.def("decode_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> int");
+}
+
+TORCH_LIBRARY_IMPL(paged_cuda_emu_test, CPU, m) {
+  m.impl("decode_attention_config", &paged_cuda_emu::decode_attention_config);
+  m.impl("prefill_attention_config", &paged_cuda_emu::prefill_attention_config);
+  m.impl("decode_kv_bytes_read", &paged_cuda_emu::decode_kv_bytes_read);
 }

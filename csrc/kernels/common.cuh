@@ -15,7 +15,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <initializer_list>
 #include <stdexcept>
 #include <string>
 
@@ -29,17 +28,22 @@
 #endif
 
 namespace PAGED_KERNEL_NS {
-using namespace ::paged_cuda;  // the parameter structs of kernels/params.h
+using namespace ::paged;  // the parameter structs and dtype codes of kernels/params.h
 
 // ---- launching ---------------------------------------------------------------------------------
 #ifdef PAGED_EMU
 #define PAGED_LAUNCH(kernel, grid, block, smem, stream, ...) \
   ::cuda_emu::launch(kernel, grid, block, smem, __VA_ARGS__)
-// The emulator has no per-function shared memory cap below its 227 KB launch limit.
-#define PAGED_ALLOW_SMEM(kernel, bytes) ((void)0)
+// The emulator records the opt-in per kernel and rejects a launch over 48 KB without it, as a GPU.
+#define PAGED_ALLOW_SMEM(kernel, bytes)                                                \
+  do {                                                                                 \
+    if ((bytes) > 48 * 1024) ::cuda_emu::func_set_max_dynamic_smem(kernel, int(bytes)); \
+  } while (0)
 #define PAGED_CHECK_LAUNCH(what) ((void)0)
 #else
-#define PAGED_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<grid, block, smem, stream>>>(__VA_ARGS__)
+// `stream` is a paged::Stream (void*): the CUDA stream of the launch.
+#define PAGED_LAUNCH(kernel, grid, block, smem, stream, ...) \
+  kernel<<<grid, block, smem, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__)
 // Over 48 KB of dynamic shared memory needs an explicit opt-in per kernel.
 #define PAGED_ALLOW_SMEM(kernel, bytes)                                                          \
   do {                                                                                           \
@@ -55,8 +59,7 @@ inline void check_cuda(cudaError_t e, const char* what) {
 #endif
 
 // ---- dtypes ------------------------------------------------------------------------------------
-// Runtime dtype codes the bindings pass in (no torch enum in kernels).
-enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4 };
+// Runtime dtype codes: paged::DType (kernels/params.h).
 
 // fp8 storage: one byte, the interpretation is the tag type.
 struct e4m3_t {
@@ -319,16 +322,6 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-// True when `p + k * stride` is chunk-aligned for every k: the base and every stride (in elements)
-// are multiples of the chunk size.
-template <typename T>
-inline bool chunk_aligned(const void* p, std::initializer_list<int64_t> strides) {
-  if (reinterpret_cast<uintptr_t>(p) % Chunk8<T>::kBytes) return false;
-  for (int64_t s : strides)
-    if ((s * int64_t(sizeof(T))) % Chunk8<T>::kBytes) return false;
-  return true;
-}
-
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr unsigned kFullMask = 0xffffffffu;
 
@@ -345,3 +338,6 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
   extern __shared__ __align__(16) unsigned char paged_smem_raw[]; \
   T* name = reinterpret_cast<T*>(paged_smem_raw)
 #endif
+
+// The paged addressing (PagedKV) needs the kernels' namespace named above.
+#include "kernels/paged_kv.h"

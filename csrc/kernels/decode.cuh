@@ -11,7 +11,8 @@
 // once and its loads are full 128-byte lines for 64/128/256-wide heads. head_size is a runtime
 // value (any multiple of 8 up to 256).
 //
-// Two kernels, one set of pieces (q load, per-lane online softmax, QK reduce, merge and store):
+// Two kernels, one set of stages, named as in FlashInfer: load_q, compute_qk (per-lane dots summed
+// over the token group), update_softmax (per-lane online softmax), compute_pv, merge_and_store:
 //  * group <= 8 (decode_kernel): the whole group fits one lane's registers, so every token group
 //    streams its own tokens straight from global memory into registers, one token ahead (register
 //    double buffering). The head tile is a template parameter (1, 2, 4, 8) so an MHA model does
@@ -40,6 +41,7 @@
 #pragma once
 #include "kernels/common.cuh"
 #include "kernels/params.h"
+#include "kernels/plan.h"
 
 #include <algorithm>
 #include <cmath>
@@ -48,22 +50,15 @@
 namespace PAGED_KERNEL_NS {
 namespace decode {
 
-// Query heads one lane holds (q and accumulators: kMaxGroupTile x 8 floats each).
-constexpr int kMaxGroupTile = 8;
-// decode_kernel's head tile: the group rounded up to 1, 2, 4 or 8.
-inline int group_tile(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
-
-inline int lanes_per_token(int head_size) { return head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32; }
-
-// ---- pieces shared by both kernels ------------------------------------------------------------
+// ---- stages shared by both kernels ------------------------------------------------------------
 
 // This lane's 8 dims of `gcount` query heads from `head0`, pre-scaled into the log2 domain; zeros
 // for the heads past gcount and for idle lanes.
 template <typename T, int G>
-__device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& p, int seq, int head0, int gcount,
+__device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& p, int64_t seq, int head0, int gcount,
                                        int d0, bool active) {
   const float qmul = p.scale * kLog2e;
-  const T* qrow = static_cast<const T*>(p.query) + seq * p.q_stride_tok + d0;
+  const T* qrow = static_cast<const T*>(p.query) + seq * p.q_stride_token + d0;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -76,7 +71,7 @@ __device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& 
 // lanes. gcount must be warp-uniform (the shuffles need the whole warp). tpt is a constant in
 // decode_kernel (the loop unrolls) and a runtime value in the shared-KV kernel.
 template <int G>
-__device__ __forceinline__ void qk_scores(const float (&q)[G][8], const float (&k)[8], float (&s)[G], int gcount,
+__device__ __forceinline__ void compute_qk(const float (&q)[G][8], const float (&k)[8], float (&s)[G], int gcount,
                                           int tpt) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -92,7 +87,8 @@ __device__ __forceinline__ void qk_scores(const float (&q)[G][8], const float (&
   }
 }
 
-// Per-lane online softmax of G heads over this lane's 8 dims.
+// Per-lane online softmax state of G heads over this lane's 8 dims: running max m and sum l (log2
+// domain) and the unnormalised output accumulators.
 template <int G>
 struct OnlineSoftmax {
   float m[G], l[G], acc[G][8];
@@ -105,17 +101,30 @@ struct OnlineSoftmax {
       for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
     }
   }
-  __device__ __forceinline__ void update(const float (&s)[G], const float (&v)[8], int gcount) {
+  // Folds one token's scores into the running max and sum, rescales the accumulators to the new
+  // max, and turns s into the token's probabilities. A NaN score gives NaN probabilities (and so a
+  // NaN row), as in the reference.
+  __device__ __forceinline__ void update_softmax(float (&s)[G], int gcount) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g < gcount) {
         const float mn = fmaxf(m[g], s[g]);
         const float a = exp2f(m[g] - mn);  // m = -inf on the first token: a = 0
-        const float pr = exp2f(s[g] - mn);
-        l[g] = l[g] * a + pr;
+        s[g] = exp2f(s[g] - mn);
+        l[g] = l[g] * a + s[g];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * a + pr * v[i];
+        for (int i = 0; i < 8; ++i) acc[g][i] *= a;
         m[g] = mn;
+      }
+    }
+  }
+  // acc += p * v for the token's probabilities p (update_softmax's output) and value row v.
+  __device__ __forceinline__ void compute_pv(const float (&pr)[G], const float (&v)[8], int gcount) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (g < gcount) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] += pr[g] * v[i];
       }
     }
   }
@@ -123,15 +132,11 @@ struct OnlineSoftmax {
 
 // Where a block's results go: the output (one pass) or its split-KV partition's workspace rows.
 struct Dest {
-  int seq, part, num_partitions;
+  int64_t seq;
+  int part, num_partitions;
   float* tmp_out;
   float* tmp_ml;
 };
-
-// Floats of the merge scratch: [ntg][gstride] (max, sum) pairs, then [ntg][gstride][D] accumulators.
-__host__ __device__ inline size_t merge_floats(int ntg, int gstride, int D) {
-  return size_t(ntg) * gstride * (D + 2);
-}
 
 // Merges the token groups' states through shared memory `sm` (merge_floats(ntg, gstride, D)) and
 // writes the block's `nheads` heads from `head0`. Token groups are numbered tile-major: the head tile
@@ -173,7 +178,7 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
     }
     const int head = head0 + h;
     if (o.num_partitions == 1) {
-      static_cast<T*>(p.out)[o.seq * p.o_stride_tok + head * p.o_stride_head + d] = from_float<T>(A / L);
+      static_cast<T*>(p.out)[o.seq * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A / L);
     } else {
       const size_t row = (size_t(o.seq) * p.num_heads + head) * o.num_partitions + o.part;
       o.tmp_out[row * D + d] = A / L;
@@ -192,12 +197,13 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
   const int group = p.num_heads / p.num_kv_heads;  // <= kGroupTile: the whole group
   // Sequences on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
   const int kvh = blockIdx.y;
-  const int seq = blockIdx.x;
+  const int64_t seq = blockIdx.x;
   const int part = blockIdx.z;
   const int seq_len = p.seq_lens[seq];
-  const int start = num_partitions > 1 ? part * partition_size : 0;
-  if (start >= seq_len) return;  // whole block leaves together: no barrier is skipped by a subset
-  const int end = num_partitions > 1 ? min(seq_len, start + partition_size) : seq_len;
+  const int64_t start64 = num_partitions > 1 ? int64_t(part) * partition_size : 0;
+  if (start64 >= seq_len) return;  // whole block leaves together: no barrier is skipped by a subset
+  const int start = int(start64);
+  const int end = num_partitions > 1 ? int(min(int64_t(seq_len), start64 + partition_size)) : seq_len;
   const int D = p.head_size;
 
   constexpr int kGroupsPerWarp = 32 / TPT;
@@ -213,9 +219,7 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
   load_q<T>(q, p, seq, head0, group, d0, active);
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
-  const KV* kc = static_cast<const KV*>(p.key_cache) + kvh * p.k_stride_head + d0;
-  const KV* vc = static_cast<const KV*>(p.value_cache) + kvh * p.v_stride_head + d0;
-  const int32_t* bt = p.block_tables + seq * p.bt_stride;
+  const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
   OnlineSoftmax<kGroupTile> st;
   st.init();
@@ -230,9 +234,8 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 #pragma unroll
     for (int i = 0; i < 8; ++i) kn[i] = vn[i] = 0.f;
     if (t < end && active) {  // only tokens < seq_len: slots past it may hold NaN
-      const int64_t blk = bt[t / p.block_size], off = t % p.block_size;
-      load8(kc + blk * p.k_stride_block + off * p.k_stride_tok, kn, k_aligned, kscale);
-      load8(vc + blk * p.v_stride_block + off * p.v_stride_tok, vn, v_aligned, vscale);
+      load8(K.row(t) + d0, kn, k_aligned, kscale);
+      load8(V.row(t) + d0, vn, v_aligned, vscale);
     }
   };
   fetch(start + tg);
@@ -243,8 +246,11 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
     for (int i = 0; i < 8; ++i) k[i] = kn[i], v[i] = vn[i];
     fetch(base + ntg + tg);
     float s[kGroupTile];
-    qk_scores(q, k, s, group, TPT);
-    if (valid) st.update(s, v, group);
+    compute_qk(q, k, s, group, TPT);
+    if (valid) {
+      st.update_softmax(s, group);
+      st.compute_pv(s, v, group);
+    }
   }
 
   PAGED_DYNAMIC_SMEM(float, sm, merge_floats(ntg, group, D));
@@ -253,37 +259,21 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 }
 
 // ---- group > 8: KV staged once per block in shared memory --------------------------------------
-// Shape of a decode_shared_kv_kernel launch (plan() fills it; plain data, passed by value).
-struct SharedKV {
-  int tpt;               // lanes per token (8, 16, 32)
-  int warps_per_tile;    // warps serving each tile of 8 heads; warp w serves tile w / warps_per_tile
-  int heads_per_block;   // multiple of 8, at most 64: the head chunk of one block
-  int n_hchunks;         // head chunks per KV head (1 unless group > 64), on grid x
-  int chunk;             // KV tokens staged per step
-  int pitch;             // bytes of one staged K or V row: head_size * cache bytes, rounded up to 16
-  int copy_bytes;        // bytes per copy_async (16 when pointer and strides allow, down to 1)
-};
-
-// Staging (2 buffers x K and V rows), or the merge scratch that reuses it afterwards.
-__host__ __device__ inline size_t shared_kv_smem(const SharedKV& sk, int threads, int D) {
-  const size_t staging = size_t(2) * 2 * sk.chunk * sk.pitch;
-  const size_t merge = merge_floats(threads / 32 * (32 / sk.tpt), kMaxGroupTile, D) * sizeof(float);
-  return staging > merge ? staging : merge;
-}
-
+// sk: the staging shape (plan_decode, kernels/plan.h).
 template <typename T, typename KV>
 __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p, SharedKV sk, int partition_size,
                                                                 int num_partitions, float* tmp_out, float* tmp_ml) {
   const int group = p.num_heads / p.num_kv_heads;
   // (sequence, head chunk) on x, chunks adjacent: see the header comment.
-  const int seq = blockIdx.x / sk.n_hchunks;
+  const int64_t seq = blockIdx.x / sk.n_hchunks;
   const int hchunk = blockIdx.x % sk.n_hchunks;
   const int kvh = blockIdx.y;
   const int part = blockIdx.z;
   const int seq_len = p.seq_lens[seq];
-  const int start = num_partitions > 1 ? part * partition_size : 0;
-  if (start >= seq_len) return;  // whole block leaves together
-  const int end = num_partitions > 1 ? min(seq_len, start + partition_size) : seq_len;
+  const int64_t start64 = num_partitions > 1 ? int64_t(part) * partition_size : 0;
+  if (start64 >= seq_len) return;  // whole block leaves together
+  const int start = int(start64);
+  const int end = num_partitions > 1 ? int(min(int64_t(seq_len), start64 + partition_size)) : seq_len;
   const int D = p.head_size;
 
   const int tpt = sk.tpt;
@@ -306,9 +296,7 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
   load_q<T>(q, p, seq, head0 + tile * kMaxGroupTile, gcount, d0, active);
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
-  const char* kbase = static_cast<const char*>(p.key_cache) + kvh * p.k_stride_head * int64_t(sizeof(KV));
-  const char* vbase = static_cast<const char*>(p.value_cache) + kvh * p.v_stride_head * int64_t(sizeof(KV));
-  const int32_t* bt = p.block_tables + seq * p.bt_stride;
+  const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
   PAGED_DYNAMIC_SMEM(unsigned char, smem, shared_kv_smem(sk, blockDim.x, D));
   const int C = sk.chunk, pitch = sk.pitch, cb = sk.copy_bytes;
@@ -322,11 +310,8 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
     for (int idx = threadIdx.x; idx < n * units; idx += blockDim.x) {
       const int r = idx / units, u = idx - r * units;
       const int t = c0 + r;
-      const int64_t blk = bt[t / p.block_size], off = t % p.block_size;
-      const int64_t ko = (blk * p.k_stride_block + off * p.k_stride_tok) * int64_t(sizeof(KV)) + u * cb;
-      const int64_t vo = (blk * p.v_stride_block + off * p.v_stride_tok) * int64_t(sizeof(KV)) + u * cb;
-      copy_async(buf + size_t(r) * pitch + u * cb, kbase + ko, cb);
-      copy_async(buf + size_t(C + r) * pitch + u * cb, vbase + vo, cb);
+      copy_async(buf + size_t(r) * pitch + u * cb, reinterpret_cast<const char*>(K.row(t)) + u * cb, cb);
+      copy_async(buf + size_t(C + r) * pitch + u * cb, reinterpret_cast<const char*>(V.row(t)) + u * cb, cb);
     }
     cp_async_commit();
   };
@@ -359,8 +344,11 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
           for (int i = 0; i < 8; ++i) k[i] = v[i] = 0.f;
         }
         float s[kMaxGroupTile];
-        qk_scores(q, k, s, gcount, tpt);
-        if (valid) st.update(s, v, gcount);
+        compute_qk(q, k, s, gcount, tpt);
+        if (valid) {
+          st.update_softmax(s, gcount);
+          st.compute_pv(s, v, gcount);
+        }
       }
     }
     __syncthreads();  // buffer c & 1 is free for chunk c + 2
@@ -375,7 +363,8 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                             const float* tmp_out, const float* tmp_ml) {
-  const int seq = blockIdx.x, head = blockIdx.y;
+  const int64_t seq = blockIdx.x;
+  const int head = blockIdx.y;
   const int D = p.head_size;
   const int nparts = ceil_div(p.seq_lens[seq], partition_size);  // only these were written
   const size_t row0 = (size_t(seq) * p.num_heads + head) * num_partitions;
@@ -391,109 +380,16 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
     for (int j = 0; j < nparts; ++j) o += w[j] * tmp_out[(row0 + j) * D + d];
-    static_cast<T*>(p.out)[seq * p.o_stride_tok + head * p.o_stride_head + d] = from_float<T>(o * inv);
+    static_cast<T*>(p.out)[seq * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * inv);
   }
 }
 
-struct Plan {
-  bool shared_kv;  // group > 8: decode_shared_kv_kernel
-  int threads, tpt, partition_size, num_partitions;
-  int gtile;       // decode_kernel's head tile (template parameter)
-  SharedKV sk;     // decode_shared_kv_kernel's shape
-  int grid_x, grid_y, grid_z;
-  size_t smem, reduce_smem;
-  size_t workspace_floats;  // tmp_out + tmp_ml
-};
-
-constexpr int kDefaultThreads = 128;
-constexpr int kDefaultPartition = 512;
-constexpr int kMaxPartitions = 8192;  // keeps the reduce kernel's weights in 32 KB of smem
-// Shared-KV staging: KV tokens per step, and the most bytes one step's K + V rows may take
-// (two steps are resident: 64 KB, so two 128-thread blocks still fit an SM).
-constexpr int kDefaultChunk = 64;
-constexpr int kMaxStageBytes = 32 * 1024;
-
-inline int cache_elem_bytes(int dtype) {
-  switch (DType(dtype)) {
-    case DType::F32: return 4;
-    case DType::F16:
-    case DType::BF16: return 2;
-    default: return 1;
-  }
-}
-
-// The widest copy (16 bytes down to 1) that every K/V row start and row length is aligned to.
-inline int copy_unit(const AttentionParams& p, int elem) {
-  uint64_t bits = uint64_t(p.head_size) * elem;
-  bits |= reinterpret_cast<uintptr_t>(p.key_cache) | reinterpret_cast<uintptr_t>(p.value_cache);
-  for (int64_t s : {p.k_stride_block, p.k_stride_tok, p.k_stride_head, p.v_stride_block, p.v_stride_tok,
-                    p.v_stride_head})
-    bits |= uint64_t(s * elem);
-  int u = 16;
-  while (u > 1 && bits % u) u >>= 1;
-  return u;
-}
-
-inline Plan plan(const AttentionParams& p, const LaunchConfig& cfg) {
-  Plan pl{};
-  const int threads = cfg.threads > 0 ? cfg.threads : kDefaultThreads;
-  if (threads % 32 || threads > 256)
-    throw std::runtime_error("paged_cuda: decode threads per block must be 32, 64, ..., 256");
-  pl.tpt = lanes_per_token(p.head_size);
-  const int group = p.num_heads / p.num_kv_heads;
-  pl.shared_kv = group > kMaxGroupTile;
-  int hchunks = 1;
-  if (!pl.shared_kv) {
-    pl.threads = threads;
-    pl.gtile = group_tile(group);
-    pl.smem = merge_floats(pl.threads / 32 * (32 / pl.tpt), group, p.head_size) * sizeof(float);
-  } else {
-    // Tiles of 8 heads; at most 8 tiles (256 threads, one warp each at least) per block.
-    const int tiles = (group + kMaxGroupTile - 1) / kMaxGroupTile;
-    hchunks = (tiles + 7) / 8;
-    const int tiles_per_block = (tiles + hchunks - 1) / hchunks;
-    SharedKV& sk = pl.sk;
-    sk.tpt = pl.tpt;
-    sk.warps_per_tile = std::max(1, threads / 32 / tiles_per_block);
-    sk.heads_per_block = tiles_per_block * kMaxGroupTile;
-    sk.n_hchunks = hchunks;
-    const int elem = cache_elem_bytes(p.cache_dtype);
-    sk.pitch = (p.head_size * elem + 15) / 16 * 16;
-    sk.copy_bytes = copy_unit(p, elem);
-    const int chunk = cfg.kv_tile > 0 ? cfg.kv_tile : kDefaultChunk;
-    sk.chunk = std::max(1, std::min(chunk, kMaxStageBytes / (2 * sk.pitch)));
-    pl.threads = tiles_per_block * sk.warps_per_tile * 32;
-    pl.smem = shared_kv_smem(sk, pl.threads, p.head_size);
-  }
-  pl.grid_x = p.num_seqs * hchunks;
-  pl.grid_y = p.num_kv_heads;
-  // Upper bound of any context: the block table's width (the real max would need a device sync).
-  const int64_t max_ctx = int64_t(p.max_blocks_per_seq) * p.block_size;
-  int part = cfg.partition_size > 0 ? cfg.partition_size : kDefaultPartition;
-  part = int(std::max<int64_t>(part, (max_ctx + kMaxPartitions - 1) / kMaxPartitions));
-  const int64_t blocks = int64_t(pl.grid_x) * pl.grid_y;
-  const int64_t sms = std::max(p.num_sms, 1);
-  const bool split = cfg.partition_size >= 0 && max_ctx > part && (cfg.force_split || blocks < 2 * sms);
-  if (split && !cfg.force_split) {
-    // Enough partitions to give every SM ~4 blocks, no more: longer contexts get longer partitions
-    // instead, which bounds the float32 workspace (num_seqs x heads x partitions x head_size).
-    const int64_t max_parts = std::max<int64_t>(2, (4 * sms + blocks - 1) / blocks);
-    part = int(std::max<int64_t>(part, (max_ctx + max_parts - 1) / max_parts));
-  }
-  pl.partition_size = part;
-  pl.num_partitions = split ? int((max_ctx + part - 1) / part) : 1;
-  pl.grid_z = pl.num_partitions;
-  pl.reduce_smem = size_t(pl.num_partitions) * sizeof(float);
-  pl.workspace_floats = split ? size_t(p.num_seqs) * p.num_heads * pl.num_partitions * (p.head_size + 2) : 0;
-  return pl;
-}
-
-// `workspace` must hold plan(p, cfg).workspace_floats floats (may be null when that is 0).
-inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* workspace, cudaStream_t stream) {
-  const Plan pl = plan(p, cfg);
+// `pl`: plan_decode(p, cfg) (kernels/plan.h), computed once by the binding. `workspace` holds
+// pl.workspace_floats floats (null when that is 0).
+inline void launch(const AttentionParams& p, const DecodePlan& pl, float* workspace, Stream stream) {
   float* tmp_out = workspace;
   float* tmp_ml = workspace ? workspace + size_t(p.num_seqs) * p.num_heads * pl.num_partitions * p.head_size : nullptr;
-  const dim3 grid(pl.grid_x, pl.grid_y, pl.grid_z);
+  const dim3 grid(unsigned(pl.grid_x), pl.grid_y, pl.grid_z);
   dispatch_float(DType(p.dtype), [&](auto tt) {
     using T = typename decltype(tt)::type;
     dispatch_cache<T>(DType(p.dtype), DType(p.cache_dtype), [&](auto kt) {
@@ -506,8 +402,7 @@ inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* wor
         PAGED_CHECK_LAUNCH("decode_shared_kv_kernel");
         return;
       }
-      const bool ka = chunk_aligned<KV>(p.key_cache, {p.k_stride_block, p.k_stride_tok, p.k_stride_head});
-      const bool va = chunk_aligned<KV>(p.value_cache, {p.v_stride_block, p.v_stride_tok, p.v_stride_head});
+      const bool ka = pl.k_aligned, va = pl.v_aligned;
       auto run = [&](auto kernel) {
         PAGED_ALLOW_SMEM(kernel, pl.smem);
         PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.partition_size, pl.num_partitions,
@@ -529,7 +424,7 @@ inline void launch(const AttentionParams& p, const LaunchConfig& cfg, float* wor
     });
     if (pl.num_partitions > 1) {
       auto kernel = decode_reduce_kernel<T>;
-      PAGED_LAUNCH(kernel, dim3(p.num_seqs, p.num_heads), dim3(128), pl.reduce_smem, stream, p, pl.partition_size,
+      PAGED_LAUNCH(kernel, dim3(unsigned(p.num_seqs), p.num_heads), dim3(128), pl.reduce_smem, stream, p, pl.partition_size,
                    pl.num_partitions, static_cast<const float*>(tmp_out), static_cast<const float*>(tmp_ml));
       PAGED_CHECK_LAUNCH("decode_reduce_kernel");
     }

@@ -1,12 +1,25 @@
-// Plain-data parameter blocks shared by the launchers (csrc/cuda/*.cu), the emulator bindings
-// (csrc/cuda_emu/*.cpp) and the torch bindings (csrc/cuda/*.cpp). No CUDA or torch types, so every
-// compiler in the build can include it.
+// Plain-data parameters of the paged ops, as the kernels see them: raw pointers, element strides and
+// sizes. No torch and no CUDA types, so every compiler of the build can include it: nvcc (the GPU
+// kernels), the host compiler over the emulator (csrc/cuda_emu) and the torch bindings. The names
+// are the CPU backend's (csrc/cpu/attention.h: q_stride_token, k_stride_block, ...), and nothing
+// here is CUDA-specific, so the CPU code can take the same struct.
+// Semantics of every field: paged_ops/reference.py (the specification).
 #pragma once
 #include <cstdint>
 
-namespace paged_cuda {
+namespace paged {
 
-// Launch configuration of the attention kernels. 0 = let the launcher pick its default.
+// dtype codes the bindings pass in (no torch enum below the bindings).
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2, E4M3 = 3, E5M2 = 4 };
+
+// A launch's stream: a cudaStream_t on a GPU, null on the emulator (no CUDA types here).
+using Stream = void*;
+
+inline int dtype_bytes(DType d) { return d == DType::F32 ? 4 : (d == DType::F16 || d == DType::BF16) ? 2 : 1; }
+
+// Launch configuration of the attention kernels. 0 = the launcher's default. The GPU binding takes
+// it from the tuned-config table (csrc/cuda/tuning.h); tests pass one explicitly through the test
+// namespace's *_config ops.
 struct LaunchConfig {
   int threads = 0;         // threads per block (multiple of 32)
   int partition_size = 0;  // decode: KV tokens per split-KV partition; < 0 forces the one-pass kernel
@@ -15,50 +28,65 @@ struct LaunchConfig {
   int tensor_cores = 0;    // prefill: 1 / 0 (default) = mma.sync path for fp16/bf16, -1 = CUDA cores
 };
 
+// decode_attention (cu_seqlens_q == nullptr: one query token per sequence) and prefill_attention.
 struct AttentionParams {
-  void* out;
-  const void* query;
-  const void* key_cache;
+  void* out;          // [num_tokens, num_heads, head_size]
+  const void* query;  // [num_tokens, num_heads, head_size]
+  int64_t q_stride_token, q_stride_head, o_stride_token, o_stride_head;
+  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size] by strides
   const void* value_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* cu_seqlens_q;  // prefill only
-  const float* k_scale;         // fp8 caches only; nullptr otherwise
+  int64_t k_stride_block, k_stride_token, k_stride_head;
+  int64_t v_stride_block, v_stride_token, v_stride_head;
+  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], rows block_table_stride apart
+  int64_t max_blocks_per_seq, block_table_stride;
+  const int32_t* cu_seqlens_q;  // prefill: [num_seqs + 1]; decode: nullptr
+  const int32_t* seq_lens;      // [num_seqs]
+  const float* k_scale;         // fp8 caches: 1 or num_kv_heads elements; nullptr otherwise
   const float* v_scale;
-  int k_scale_per_head, v_scale_per_head;
-  int dtype, cache_dtype;       // paged_cuda::DType codes
-  int num_seqs, num_heads, num_kv_heads, head_size, block_size, max_blocks_per_seq;
-  int max_seqlen_q;             // prefill only
-  int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head;
-  int64_t k_stride_block, k_stride_tok, k_stride_head;
-  int64_t v_stride_block, v_stride_tok, v_stride_head;
-  int64_t bt_stride;
+  bool k_scale_per_head, v_scale_per_head;
+  DType dtype, cache_dtype;
+  int64_t num_seqs, num_tokens;
+  int num_heads, num_kv_heads, head_size, block_size;
+  // prefill: sizes the grid, never trusted for correctness (every row of every sequence is
+  // computed whatever it says); clamped to num_tokens by the plan.
+  int64_t max_seqlen_q;
   float scale;
   bool causal;
-  int num_sms;                  // for the split-KV heuristic
+  int num_sms;  // of the device, for the split-KV heuristic
 };
 
 struct ReshapeCacheParams {
-  const void* key;
+  const void* key;    // [num_tokens, num_kv_heads, head_size]
   const void* value;
-  void* key_cache;
+  void* key_cache;    // as AttentionParams
   void* value_cache;
-  const int64_t* slot_mapping;
+  const int64_t* slot_mapping;  // [num_tokens]; < 0: padding token, skipped
   const float* k_scale;
   const float* v_scale;
-  int k_scale_per_head, v_scale_per_head;
-  int dtype, cache_dtype;
-  int num_tokens, num_kv_heads, head_size, block_size;
-  int64_t key_stride_tok, key_stride_head, value_stride_tok, value_stride_head;
-  int64_t k_stride_block, k_stride_tok, k_stride_head;
-  int64_t v_stride_block, v_stride_tok, v_stride_head;
+  bool k_scale_per_head, v_scale_per_head;
+  DType dtype, cache_dtype;
+  int64_t num_tokens;
+  int num_kv_heads, head_size, block_size;
+  int64_t key_stride_token, key_stride_head, value_stride_token, value_stride_head;
+  int64_t k_stride_block, k_stride_token, k_stride_head;
+  int64_t v_stride_block, v_stride_token, v_stride_head;
 };
 
-// One cache tensor of one layer for copy_blocks: base pointer and its element strides.
+// quantize_fp8 / dequantize_fp8 over contiguous tensors of n elements.
+struct Fp8Params {
+  void* out;
+  const void* input;
+  const float* scale;  // one element
+  DType out_dtype, input_dtype;
+  int64_t n;
+  int max_blocks;  // grid cap of the grid-stride loop
+};
+
+// One cache tensor of one layer for copy_blocks: base address and its element strides.
 struct CacheDesc {
   int64_t ptr;  // device address
-  int64_t stride_block, stride_tok, stride_head;
+  int64_t stride_block, stride_token, stride_head;
   int32_t block_size, num_heads, head_size, elem_bytes;
 };
 
-}  // namespace paged_cuda
+}  // namespace paged

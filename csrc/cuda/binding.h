@@ -1,0 +1,238 @@
+// The one binding of the CUDA kernels, for both builds that run them (the GPU backend, csrc/cuda/
+// ops.cpp, and the CPU emulator, csrc/cuda_emu/ops.cpp): tensors -> kernels/params.h structs, the
+// launch plan computed once (kernels/plan.h), then one call through the launcher tables of
+// kernels/launch.h. Path of a call: torch.ops.paged.* (csrc/public) -> <backend>/ops.cpp -> this
+// file -> cuda/attention.cu or cuda/cache_kernels.cu (or the emulator's twins) -> kernels/*.cuh.
+//
+// Inputs were validated by the public op (csrc/public) before any of this runs; the backend
+// namespaces' own ops trust their caller. Nothing here re-checks contents, and nothing reads the
+// environment: the launch configuration is an argument.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <climits>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "kernels/launch.h"
+#include "kernels/params.h"
+#include "kernels/plan.h"
+
+namespace paged {
+namespace binding {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// Where a call runs: the launcher tables of one build, its stream, the device's SM count, and how
+// it copies bytes (swap_blocks).
+struct Target {
+  const AttentionLaunchers* attention;
+  const CacheLaunchers* cache;
+  Stream stream;
+  int num_sms;
+  void (*copy_bytes)(void* dst, const void* src, size_t bytes, Stream stream);
+  // The launch configuration of a call that names none: the tuned one for its shape (GPU), or
+  // null for the kernels' defaults.
+  LaunchConfig (*tuned_config)(const AttentionParams& p, bool decode);
+};
+
+// An explicit configuration (the test namespace's *_config ops), else the target's choice.
+inline LaunchConfig resolve_config(const Target& tgt, const LaunchConfig* cfg, const AttentionParams& p, bool decode) {
+  if (cfg) return *cfg;
+  return tgt.tuned_config ? tgt.tuned_config(p, decode) : LaunchConfig{};
+}
+
+inline DType dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kFloat8_e4m3fn: return DType::E4M3;
+    case at::kFloat8_e5m2: return DType::E5M2;
+    default: TORCH_CHECK_VALUE(false, "paged_cuda: unsupported dtype ", t);
+  }
+}
+
+// Sizes the kernels index with int: a larger one is rejected here rather than narrowed.
+inline int int_size(int64_t v, const char* what) {
+  TORCH_CHECK_VALUE(v >= 0 && v <= INT_MAX, what, "=", v, " does not fit the CUDA kernels' 32-bit index");
+  return int(v);
+}
+
+// [threads, partition_size, kv_tile, force_split, tensor_cores]; missing entries are 0 (default).
+inline LaunchConfig config_from_list(at::IntArrayRef c) {
+  TORCH_CHECK_VALUE(c.size() <= 5, "config: at most 5 entries [threads, partition_size, kv_tile, force_split, "
+                                   "tensor_cores], got ", c.size());
+  LaunchConfig cfg;
+  int* fields[] = {&cfg.threads, &cfg.partition_size, &cfg.kv_tile, &cfg.force_split, &cfg.tensor_cores};
+  for (size_t i = 0; i < c.size(); ++i) {
+    TORCH_CHECK_VALUE(c[i] >= INT_MIN && c[i] <= INT_MAX, "config[", i, "]=", c[i], " does not fit an int");
+    *fields[i] = int(c[i]);
+  }
+  return cfg;
+}
+
+inline const float* scale_ptr(const OptTensor& s) { return s ? s->data_ptr<float>() : nullptr; }
+inline bool per_head(const OptTensor& s) { return s && s->numel() > 1; }
+
+// The cache fields AttentionParams and ReshapeCacheParams share: pointers, strides, fp8 scales.
+template <typename P>
+void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, const OptTensor& k_scale,
+                      const OptTensor& v_scale) {
+  p.key_cache = key_cache.data_ptr();
+  p.value_cache = value_cache.data_ptr();
+  p.k_scale = scale_ptr(k_scale);
+  p.v_scale = scale_ptr(v_scale);
+  p.k_scale_per_head = per_head(k_scale);
+  p.v_scale_per_head = per_head(v_scale);
+  p.cache_dtype = dtype_code(key_cache.scalar_type());
+  p.block_size = int_size(key_cache.size(1), "block_size");
+  p.k_stride_block = key_cache.stride(0);
+  p.k_stride_token = key_cache.stride(1);
+  p.k_stride_head = key_cache.stride(2);
+  p.v_stride_block = value_cache.stride(0);
+  p.v_stride_token = value_cache.stride(1);
+  p.v_stride_head = value_cache.stride(2);
+}
+
+inline AttentionParams attention_params(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                        const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                                        const Tensor* cu_seqlens_q, int64_t max_seqlen_q, double scale, bool causal,
+                                        const OptTensor& k_scale, const OptTensor& v_scale, int num_sms) {
+  AttentionParams p{};
+  set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
+  p.out = out.data_ptr();
+  p.query = query.data_ptr();
+  p.q_stride_token = query.stride(0);
+  p.q_stride_head = query.stride(1);
+  p.o_stride_token = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.block_tables = block_tables.data_ptr<int32_t>();
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.block_table_stride = block_tables.stride(0);
+  p.cu_seqlens_q = cu_seqlens_q ? cu_seqlens_q->data_ptr<int32_t>() : nullptr;
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.dtype = dtype_code(query.scalar_type());
+  p.num_seqs = seq_lens.size(0);
+  p.num_tokens = query.size(0);
+  p.num_heads = int_size(query.size(1), "num_heads");
+  p.num_kv_heads = int_size(key_cache.size(2), "num_kv_heads");
+  p.head_size = int_size(query.size(2), "head_size");
+  p.max_seqlen_q = max_seqlen_q;
+  p.scale = float(scale);
+  p.causal = causal;
+  p.num_sms = num_sms;
+  return p;
+}
+
+inline void decode_attention(const Target& tgt, const LaunchConfig* cfg, Tensor& out, const Tensor& query,
+                             const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+                             const Tensor& seq_lens, double scale, const OptTensor& k_scale, const OptTensor& v_scale) {
+  if (query.size(0) == 0) return;
+  const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, 1,
+                                             scale, true, k_scale, v_scale, tgt.num_sms);
+  const DecodePlan plan = plan_decode(p, resolve_config(tgt, cfg, p, /*decode=*/true));
+  Tensor workspace;
+  if (plan.workspace_floats) workspace = at::empty({int64_t(plan.workspace_floats)}, query.options().dtype(at::kFloat));
+  tgt.attention->decode_attention(p, plan, plan.workspace_floats ? workspace.data_ptr<float>() : nullptr, tgt.stream);
+}
+
+inline void prefill_attention(const Target& tgt, const LaunchConfig* cfg, Tensor& out, const Tensor& query,
+                              const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+                              const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q, double scale,
+                              bool causal, const OptTensor& k_scale, const OptTensor& v_scale) {
+  if (query.size(0) == 0 || seq_lens.size(0) == 0) return;  // no query row: nothing to write
+  const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                             &cu_seqlens_q, max_seqlen_q, scale, causal, k_scale, v_scale,
+                                             tgt.num_sms);
+  tgt.attention->prefill_attention(p, plan_prefill(p, resolve_config(tgt, cfg, p, /*decode=*/false)), tgt.stream);
+}
+
+inline void reshape_and_cache(const Target& tgt, const Tensor& key, const Tensor& value, Tensor& key_cache,
+                              Tensor& value_cache, const Tensor& slot_mapping, const OptTensor& k_scale,
+                              const OptTensor& v_scale) {
+  if (key.size(0) == 0) return;
+  ReshapeCacheParams p{};
+  set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
+  p.key = key.data_ptr();
+  p.value = value.data_ptr();
+  p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  p.dtype = dtype_code(key.scalar_type());
+  p.num_tokens = key.size(0);
+  p.num_kv_heads = int_size(key.size(1), "num_kv_heads");
+  p.head_size = int_size(key.size(2), "head_size");
+  p.key_stride_token = key.stride(0);
+  p.key_stride_head = key.stride(1);
+  p.value_stride_token = value.stride(0);
+  p.value_stride_head = value.stride(1);
+  tgt.cache->reshape_and_cache(p, tgt.stream);
+}
+
+inline Fp8Params fp8_params(const Target& tgt, Tensor& out, const Tensor& input, const Tensor& scale) {
+  return Fp8Params{out.data_ptr(), input.data_ptr(), scale.data_ptr<float>(), dtype_code(out.scalar_type()),
+                   dtype_code(input.scalar_type()), input.numel(), std::max(tgt.num_sms, 1) * 8};
+}
+inline void quantize_fp8(const Target& tgt, Tensor& out, const Tensor& input, const Tensor& scale) {
+  if (input.numel()) tgt.cache->quantize_fp8(fp8_params(tgt, out, input, scale), tgt.stream);
+}
+inline void dequantize_fp8(const Target& tgt, Tensor& out, const Tensor& input, const Tensor& scale) {
+  if (input.numel()) tgt.cache->dequantize_fp8(fp8_params(tgt, out, input, scale), tgt.stream);
+}
+
+inline CacheDesc cache_desc(const Tensor& c) {
+  CacheDesc d{};
+  d.ptr = reinterpret_cast<int64_t>(c.data_ptr());
+  d.stride_block = c.stride(0);
+  d.stride_token = c.stride(1);
+  d.stride_head = c.stride(2);
+  d.block_size = int_size(c.size(1), "block_size");
+  d.num_heads = int_size(c.size(2), "num_kv_heads");
+  d.head_size = int_size(c.size(3), "head_size");
+  d.elem_bytes = int32_t(c.element_size());
+  return d;
+}
+
+// All layers in one launch: the per-cache descriptors travel to the device in one small copy.
+inline void copy_blocks(const Target& tgt, at::TensorList key_caches, at::TensorList value_caches,
+                        const Tensor& block_mapping) {
+  if (block_mapping.size(0) == 0 || key_caches.empty()) return;
+  std::vector<CacheDesc> descs;
+  for (const Tensor& c : key_caches) descs.push_back(cache_desc(c));
+  for (const Tensor& c : value_caches) descs.push_back(cache_desc(c));
+  TORCH_CHECK_VALUE(int64_t(descs.size()) <= kMaxGridYZ, "copy_blocks: too many caches (", descs.size(), ")");
+  const at::Device dev = key_caches[0].device();
+  Tensor host = at::empty({int64_t(descs.size() * sizeof(CacheDesc))}, at::kByte);
+  std::memcpy(host.data_ptr(), descs.data(), descs.size() * sizeof(CacheDesc));
+  const Tensor on_dev = host.to(dev);
+  const Tensor mapping = block_mapping.to(dev).contiguous();
+  tgt.cache->copy_blocks(reinterpret_cast<const CacheDesc*>(on_dev.data_ptr()), int(descs.size()),
+                         mapping.data_ptr<int64_t>(), mapping.size(0), tgt.stream);
+}
+
+// Ordered on the target's stream, not complete on return (paged_ops/reference.py swap_blocks): one
+// asynchronous copy per block when a block is one dense byte range laid out alike in src and dst
+// (NHD or HND, contiguous caches), else a strided non-blocking torch copy of that block. No sync:
+// block_mapping is a CPU tensor (validated), read on the host.
+inline void swap_blocks(const Target& tgt, const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
+  const int64_t n = block_mapping.size(0);
+  if (n == 0) return;
+  const Tensor pairs = block_mapping.contiguous();
+  const int64_t* m = pairs.data_ptr<int64_t>();
+  const bool dense = src.strides().slice(1) == dst.strides().slice(1) && src[0].is_non_overlapping_and_dense();
+  const size_t bytes = size_t(src[0].numel()) * src.element_size();
+  for (int64_t i = 0; i < n; ++i) {
+    if (dense) {
+      const char* s = static_cast<const char*>(src.data_ptr()) + m[2 * i] * src.stride(0) * src.element_size();
+      char* d = static_cast<char*>(dst.data_ptr()) + m[2 * i + 1] * dst.stride(0) * dst.element_size();
+      tgt.copy_bytes(d, s, bytes, tgt.stream);
+    } else {
+      dst[m[2 * i + 1]].copy_(src[m[2 * i]], /*non_blocking=*/true);
+    }
+  }
+}
+
+}  // namespace binding
+}  // namespace paged

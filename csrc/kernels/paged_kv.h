@@ -1,0 +1,95 @@
+// Paged KV addressing, in one place: how a token position becomes a cache row (through the
+// block table), and which vector widths a cache view allows.
+//
+// Host part (any compiler, no CUDA): alignment decisions the launch plan takes once per call.
+// Device part (nvcc, or the emulator; compiled once common.cuh has named the kernels' namespace):
+// PagedKV, the paged_kv_t of the kernels: a (sequence, KV head) view of one cache whose row(t) is
+// the address of token t's head_size elements. All offsets are int64: block id x block stride and
+// head x head stride pass 2^31 elements in a large cache.
+// Included twice by design (host part, then device part): guarded per part, not with pragma once.
+#ifndef PAGED_KV_HOST_PART
+#define PAGED_KV_HOST_PART
+#include <cstdint>
+#include <initializer_list>
+
+#include "kernels/params.h"
+
+namespace paged {
+
+// True when base + k * stride is a multiple of `bytes` for every k (and every listed stride).
+inline bool aligned_to(const void* base, int elem_bytes, std::initializer_list<int64_t> strides, int bytes) {
+  if (reinterpret_cast<uintptr_t>(base) % bytes) return false;
+  for (int64_t s : strides)
+    if ((s * elem_bytes) % bytes) return false;
+  return true;
+}
+
+// The kernels move rows in 8-element chunks (head_size is a multiple of 8): one 16-byte vector for
+// 16-bit types, 8 bytes for fp8, 2 x 16 for fp32. A view whose base or strides break that falls
+// back to element loads instead of faulting.
+inline bool chunk_aligned(const void* base, DType dtype, std::initializer_list<int64_t> strides) {
+  return aligned_to(base, dtype_bytes(dtype), strides, 8 * dtype_bytes(dtype));
+}
+inline bool key_cache_aligned(const AttentionParams& p) {
+  return chunk_aligned(p.key_cache, p.cache_dtype, {p.k_stride_block, p.k_stride_token, p.k_stride_head});
+}
+inline bool value_cache_aligned(const AttentionParams& p) {
+  return chunk_aligned(p.value_cache, p.cache_dtype, {p.v_stride_block, p.v_stride_token, p.v_stride_head});
+}
+
+// The widest asynchronous copy (16 bytes down to 1) every K/V row start and row length allows.
+inline int widest_row_copy(const AttentionParams& p) {
+  const int elem = dtype_bytes(p.cache_dtype);
+  int u = 16;
+  while (u > 1 &&
+         !(int64_t(p.head_size) * elem % u == 0 &&
+           aligned_to(p.key_cache, elem, {p.k_stride_block, p.k_stride_token, p.k_stride_head}, u) &&
+           aligned_to(p.value_cache, elem, {p.v_stride_block, p.v_stride_token, p.v_stride_head}, u)))
+    u >>= 1;
+  return u;
+}
+
+}  // namespace paged
+#endif  // PAGED_KV_HOST_PART
+
+#if defined(PAGED_KERNEL_NS) && !defined(PAGED_KV_DEVICE_PART)
+#define PAGED_KV_DEVICE_PART
+namespace PAGED_KERNEL_NS {
+
+// One sequence's view of one KV head of a paged cache of element type KV.
+template <typename KV>
+struct PagedKV {
+  const KV* base;               // cache + kv_head * stride_head
+  const int32_t* block_table;   // the sequence's row of the block table
+  int64_t stride_block, stride_token;
+  int block_size;
+
+  // Token t's head_size elements (t < seq_len: callers never address a slot past the sequence).
+  __device__ __forceinline__ const KV* row(int t) const {
+    const int64_t blk = block_table[t / block_size], off = t % block_size;
+    return base + blk * stride_block + off * stride_token;
+  }
+};
+
+template <typename KV>
+__device__ __forceinline__ PagedKV<KV> paged_k(const AttentionParams& p, int64_t seq, int kv_head) {
+  return {static_cast<const KV*>(p.key_cache) + kv_head * p.k_stride_head, p.block_tables + seq * p.block_table_stride,
+          p.k_stride_block, p.k_stride_token, p.block_size};
+}
+template <typename KV>
+__device__ __forceinline__ PagedKV<KV> paged_v(const AttentionParams& p, int64_t seq, int kv_head) {
+  return {static_cast<const KV*>(p.value_cache) + kv_head * p.v_stride_head, p.block_tables + seq * p.block_table_stride,
+          p.v_stride_block, p.v_stride_token, p.block_size};
+}
+
+// The row a write to `slot` (block id x block_size + offset, reshape_and_cache's slot_mapping)
+// lands in, for KV head `head`.
+template <typename C>
+__device__ __forceinline__ C* slot_row(void* cache, int64_t slot, int block_size, int64_t stride_block,
+                                       int64_t stride_token, int64_t stride_head, int head) {
+  const int64_t blk = slot / block_size, off = slot % block_size;
+  return static_cast<C*>(cache) + blk * stride_block + off * stride_token + head * stride_head;
+}
+
+}  // namespace PAGED_KERNEL_NS
+#endif  // PAGED_KV_DEVICE_PART

@@ -1,0 +1,114 @@
+"""Regression tests for bugs of the CUDA kernels (csrc/kernels), run through the emulator (cuda_emu).
+
+Each test failed before its fix (issue #11 "Wrong results", issue #12 item 5):
+  * the tensor-core prefill staged dequantized fp8 K/V as fp16, so K or V beyond 65504 after the
+    scale became inf and the scores NaN;
+  * max_seqlen_q was narrowed to int and sized the grid: a max_seqlen_q smaller than a real q_len
+    (or one past 2^31) left query rows unwritten;
+  * prefill turned a NaN or inf query row into zeros (fmaxf drops NaN, then `l > 0 ? 1 / l : 0`).
+The same kernels run on a GPU (tests/test_cuda_gpu.py); the emulator runs them on CPU tensors.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_ops
+from paged_ops import reference
+from tests.helpers import assert_close, make_case, nan_like
+
+if "cuda_emu" not in paged_ops.available_backends():
+    pytest.skip("the cuda_emu backend is not built", allow_module_level=True)
+
+emu = paged_ops.backend("cuda_emu")
+
+
+def _refill_fp8(case, seq_lens, block_size, k_mag, v_mag, k_scale, v_scale, seed=0):
+    """Rewrite the live tokens of an fp8 case with K/V of magnitude ~k_mag/v_mag under new scales."""
+    g = torch.Generator().manual_seed(seed)
+    case.k_scale = torch.tensor([k_scale], dtype=torch.float32)
+    case.v_scale = torch.tensor([v_scale], dtype=torch.float32)
+    kv_heads, head_size = case.key_cache.shape[2], case.key_cache.shape[3]
+    for s, n in enumerate(seq_lens):
+        pos = torch.arange(n)
+        slots = case.block_tables[s, pos // block_size].long() * block_size + pos % block_size
+        k = torch.randn(n, kv_heads, head_size, generator=g) * k_mag
+        v = torch.randn(n, kv_heads, head_size, generator=g) * v_mag
+        reference.reshape_and_cache(k.to(case.dtype), v.to(case.dtype), case.key_cache, case.value_cache, slots,
+                                    case.k_scale, case.v_scale)
+
+
+# e5m2 holds up to 57344 and e4m3fn up to 448: with these scales most live K/V values exceed fp16's
+# 65504 once scaled (e5m2 x 2 reaches 114688, e4m3fn x 300 reaches 134400), which the fp32 scores
+# and outputs hold exactly.
+@pytest.mark.parametrize("cache_dtype,k_scale,v_scale,mag", [
+    (torch.float8_e5m2, 2.0, 2.0, 1.0e5), (torch.float8_e4m3fn, 300.0, 300.0, 1.0e5),
+    (torch.float8_e5m2, 2.0, 0.5, 1.0e5)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_tensor_cores_fp8_beyond_fp16_range(dtype, cache_dtype, k_scale, v_scale, mag):
+    seq_lens, q_lens, bs = [70, 33], [70, 5], 16
+    case = make_case(seq_lens, q_lens=q_lens, num_heads=4, num_kv_heads=2, head_size=64, block_size=bs,
+                     dtype=torch.float16, cache_dtype=cache_dtype, seed=3)
+    case.dtype = dtype
+    case.query = case.query.to(dtype)
+    _refill_fp8(case, seq_lens, bs, mag, mag / 8, k_scale, v_scale)
+    case.scale = 0.1 / mag  # scores of order 1: a smooth softmax, not one-hot
+    out = nan_like(case.query)
+    emu.prefill_attention(*case.prefill_args(out))  # fp16/bf16 queries: the tensor-core kernel by default
+    assert_close(out, case.reference_prefill(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # CUDA-core and tensor-core kernels
+@pytest.mark.parametrize("max_seqlen_q", [1, 7, 2**32 + 1, 2**40])
+def test_prefill_every_row_computed_whatever_max_seqlen_q(dtype, max_seqlen_q):
+    # max_seqlen_q is a launch hint: rows past it (too small a hint) or a hint past int32 must not
+    # leave rows unwritten. Called on the backend's own op, which trusts its caller (no validation).
+    case = make_case([90, 40, 3], q_lens=[90, 1, 3], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=dtype, seed=11)
+    out = nan_like(case.query)
+    args = list(case.prefill_args(out))
+    args[7] = max_seqlen_q
+    torch.ops.paged_cuda_emu.prefill_attention(*args)
+    assert_close(out, case.reference_prefill(), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_prefill_nonfinite_query_row_is_nan_like_reference(dtype, bad):
+    case = make_case([40, 20], q_lens=[40, 20], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=dtype, seed=5)
+    case.query[3, 1, :] = bad       # every dim of one head of one row
+    case.query[45, 2, 7] = bad      # a single dim of another row
+    out = nan_like(case.query)
+    emu.prefill_attention(*case.prefill_args(out))
+    ref = case.reference_prefill()
+    nan_ref = torch.isnan(ref)
+    assert nan_ref.any(), "the reference gives NaN for these rows"
+    assert torch.equal(torch.isnan(out), nan_ref), "NaN rows differ from the reference's"
+    assert_close(out[~nan_ref], ref[~nan_ref], dtype)
+
+
+# ---- launch configuration: an explicit argument, not an environment variable (issue #10 item 5) ----
+
+def test_explicit_launch_config_reaches_the_kernels():
+    # A configuration the decode plan must reject proves the test op's config is what the plan sees.
+    case = make_case([20, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=2)
+    test_ops = torch.ops.paged_cuda_emu_test
+    with pytest.raises((RuntimeError, ValueError), match="threads"):
+        test_ops.decode_attention_config(*case.decode_args(nan_like(case.query)), [48])
+    with pytest.raises((RuntimeError, ValueError), match="threads"):
+        test_ops.prefill_attention_config(*case.prefill_args(nan_like(case.query)), [40, 0, 0, 0, -1])
+    # Forced split-KV with small partitions, and the one-pass kernel: both exact.
+    for config in ([0, 8, 0, 1, 0], [0, -1, 0, 0, 0]):
+        out = nan_like(case.query)
+        test_ops.decode_attention_config(*case.decode_args(out), config)
+        assert_close(out, case.reference_prefill(), case.dtype)
+
+
+def test_environment_is_not_a_launch_api(monkeypatch):
+    # PAGED_CUDA_CONFIG used to be parsed at every call (an unknown key raised); it is ignored now.
+    monkeypatch.setenv("PAGED_CUDA_CONFIG", "threads=48,bogus=1")
+    case = make_case([20, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=2)
+    out = nan_like(case.query)
+    emu.decode_attention(*case.decode_args(out))
+    assert_close(out, case.reference_prefill(), case.dtype)
