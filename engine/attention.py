@@ -78,8 +78,9 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     return out
 
 
-# transformers' attention interface has no argument for our metadata: the runner sets it
-# around each forward of a transformers model
+# The runner passes the step's metadata to a transformers model as the keyword argument
+# ``paged_metadata``, which transformers hands through to the attention function; _CURRENT is the
+# fallback for models whose forward does not pass extra keyword arguments down.
 _CURRENT: AttentionMetadata | None = None
 
 
@@ -93,12 +94,14 @@ def step_metadata(meta: AttentionMetadata):
         _CURRENT = None
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                            paged_metadata: AttentionMetadata | None = None, **kwargs):
     """transformers attention interface: query [1, num_heads, T, D], key/value
     [1, num_kv_heads, T, D] (after RoPE) -> ([1, T, num_heads, D], None)."""
-    assert _CURRENT is not None, "paged_ops attention called outside ModelRunner.run"
+    meta = paged_metadata or _CURRENT
+    assert meta is not None, "paged_ops attention called outside ModelRunner.run"
     to_tokens = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  [T, heads, D]
-    out = paged_attention(_CURRENT, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling)
+    out = paged_attention(meta, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling)
     return out.unsqueeze(0), None
 
 

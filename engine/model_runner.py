@@ -160,8 +160,8 @@ class ModelRunner:
         else:
             with step_metadata(meta):
                 decoder = getattr(self.model, self.model.base_model_prefix)  # the model without lm_head
-                hidden = decoder(input_ids=input_ids[None], position_ids=positions[None],
-                                 use_cache=False).last_hidden_state[0]  # [T, hidden]
+                hidden = decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                 paged_metadata=meta).last_hidden_state[0]  # [T, hidden]
             logits = self.model.get_output_embeddings()(hidden[rows]).float()  # [num_rows, vocab]
         step = StepLogits(logits[:len(sample_rows)])
         offset = len(sample_rows)

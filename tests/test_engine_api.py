@@ -208,3 +208,23 @@ def test_cli_errors(ckpt, tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--model", ckpt("llama"), "--prompt", "hi", "--top-k", "-5"])
     assert "top_k" in capsys.readouterr().err
+
+
+def test_engine_imports_under_another_package_name(tmp_path, monkeypatch):
+    """The wheel installs engine/ as paged_ops.engine (#10 item 7): every import inside it is
+    relative, so a copy under another package name imports without touching the top-level engine."""
+    import importlib
+    import pathlib
+    import sys
+    src = pathlib.Path(__file__).parent.parent / "engine"
+    pkg = tmp_path / "otherpkg"
+    shutil.copytree(src, pkg / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    (pkg / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = {name for name in sys.modules if name == "engine" or name.startswith("engine.")}
+    mod = importlib.import_module("otherpkg.engine")
+    importlib.import_module("otherpkg.engine.__main__")
+    assert mod.LLM.__module__ == "otherpkg.engine.llm" and mod.SamplingParams().n == 1
+    assert {name for name in sys.modules if name == "engine" or name.startswith("engine.")} == before
+    for name in [n for n in sys.modules if n.startswith("otherpkg")]:
+        monkeypatch.delitem(sys.modules, name)
