@@ -34,7 +34,6 @@ class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute"):
-        assert preemption_mode in ("recompute", "swap"), preemption_mode  # EngineConfig checks it for users
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -105,3 +105,20 @@ def test_llm_arguments_rejected_at_construction(tmp_path_factory, kwargs, name):
     model = save_tiny_checkpoint(tmp_path_factory.mktemp("bad"))
     with pytest.raises(ValueError, match=name):
         LLM(model, **{"num_kv_blocks": 8, **kwargs})
+
+
+def test_failure_inside_one_requests_sampling_ends_only_that_request(llm, monkeypatch):
+    import engine.llm_engine as llm_engine
+    expected = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5, 6]], GREEDY)]
+    real = llm_engine.sample
+
+    def sample(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("injected")
+        return real(logits, params, generator)
+    monkeypatch.setattr(llm_engine, "sample", sample)
+    outs = llm.generate([[1, 2, 3], [7, 8, 9], [4, 5, 6]],
+                        [GREEDY, SamplingParams(temperature=1.0, seed=13, max_tokens=3), GREEDY])
+    assert [o.outputs[0].token_ids for o in (outs[0], outs[2])] == expected
+    assert "injected" in str(outs[1].error)
+    assert_all_free(llm)

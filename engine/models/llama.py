@@ -3,8 +3,8 @@
 Same math as transformers' modeling code, in the order it does it (so greedy outputs stay
 token-for-token equal to ``generate``), minus what a serving step does not need: q/k/v are one
 matmul, gate/up are one matmul, there are no masks, no cache objects and no [batch, seq] axes.
-On the tiny benchmark model transformers' per-module Python cost ~4 ms of a ~20 ms decode step;
-this is why the engine prefers this path for these architectures (see engine/README.md).
+On the benchmark model transformers' per-module Python is a large share of a decode step, which
+is why the engine prefers this path for these architectures (engine/README.md).
 
 Weights come from the transformers model loaded from the checkpoint (the constructor takes it): its loader
 already handles sharding, tied embeddings and dtypes, and its rotary module every RoPE scaling
