@@ -61,11 +61,15 @@ class LLM:
                     results[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None,
                                                  [] if isinstance(prompt, str) else list(prompt), error=e)
                     bar.update(1)
-            while any(rid in engine.requests for rid in ids):
+            pending = set(ids) - set(results)
+            while pending and engine.has_unfinished_requests():
                 for out in engine.step():
-                    if out.finished and out.request_id in ids:
+                    if out.finished and out.request_id in pending:
                         results[out.request_id] = out
+                        pending.discard(out.request_id)
                         bar.update(1)
+            for rid in pending:  # aborted from outside this call
+                results[rid] = RequestOutput(rid, None, [], error=ValueError(f"request {rid!r} was aborted"))
         except BaseException:
             engine.abort_request(ids)  # leave the engine usable, with every block of this call free
             bar.close()
