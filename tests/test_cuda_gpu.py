@@ -215,7 +215,7 @@ def test_prefill_tc_matches_cuda_cores(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_tuner_records_and_uses_config(device, tmp_path, monkeypatch):
     from paged_ops import cuda_tuning
-    monkeypatch.setattr(cuda_tuning, "CACHE_PATH", tmp_path / "tuning.json")
+    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
     case = to_device(make_case([300, 700], num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                                dtype=torch.float16, seed=5), device)
     out = nan_like(case.query)

@@ -522,8 +522,8 @@ def test_gpu_tuning_picks_and_persists(monkeypatch, tmp_path):
     triton_backend.decode_attention(*args)  # the tuned config, from memory
     assert triton_backend.last_config("decode_attention")["source"] == "memo"
     assert_close(args[0], ref, F16)
-    stored = json.loads((tmp_path / "triton_autotune.json").read_text())["entries"]
-    assert list(stored.values()) == [info["config"]]
+    stored = json.loads((tmp_path / "tuning.json").read_text())["entries"]
+    assert [e["config"] for e in stored.values()] == [info["config"]]
 
 
 _TUNE_SCRIPT = textwrap.dedent("""
@@ -533,8 +533,8 @@ _TUNE_SCRIPT = textwrap.dedent("""
     from paged_ops.triton import autotune
     mode = sys.argv[1]
     tuner = autotune.TUNERS["decode_attention"]
-    candidates = [{{"BLOCK_N": n, "num_warps": 4}} for n in (16, 32, 64)]
-    default = {{"BLOCK_N": 999, "num_warps": 1}}
+    candidates = [{{"BLOCK_N": n, "num_warps": 4, "num_stages": 2}} for n in (16, 32, 64)]
+    default = {{"BLOCK_N": 256, "num_warps": 1, "num_stages": 2}}
     key = (16, 128, 4, 1024, 8, "torch.float16", "torch.float16")
     if mode == "tune":
         def bench(config):  # fake timings: 32 is fastest, 64 fails to compile
@@ -561,18 +561,18 @@ def test_tuned_config_persists_across_processes(tmp_path):
         return json.loads(proc.stdout.strip().splitlines()[-1])
 
     tuned = run("tune")
-    assert tuned["chosen"] == {"BLOCK_N": 32, "num_warps": 4}
+    assert tuned["chosen"] == {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     assert tuned["last"]["source"] == "tuned"
-    stored = json.loads((tmp_path / "triton_autotune.json").read_text())["entries"]
-    assert list(stored.values()) == [{"BLOCK_N": 32, "num_warps": 4}]
+    stored = json.loads((tmp_path / "tuning.json").read_text())["entries"]
+    assert [e["config"] for e in stored.values()] == [{"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}]
 
     reused = run("reuse")  # a fresh process: read from disk, no benchmark
-    assert reused["chosen"] == {"BLOCK_N": 32, "num_warps": 4}
+    assert reused["chosen"] == {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     assert reused["last"]["source"] == "cache"
 
 
 def test_corrupt_tuning_cache_is_ignored(tmp_path, monkeypatch):
-    (tmp_path / "triton_autotune.json").write_text("{not json")
+    (tmp_path / "tuning.json").write_text("{not json")
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
     tuner = autotune.Tuner("decode_attention")
     default = {"BLOCK_N": 16}
