@@ -228,3 +228,13 @@ def test_engine_imports_under_another_package_name(tmp_path, monkeypatch):
     assert {name for name in sys.modules if name == "engine" or name.startswith("engine.")} == before
     for name in [n for n in sys.modules if n.startswith("otherpkg")]:
         monkeypatch.delitem(sys.modules, name)
+
+
+def test_readme_example_runs(ckpt, capsys):
+    import pathlib
+    import re
+    readme = (pathlib.Path(__file__).parent.parent / "engine" / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    exec(code.replace("path/to/local/hf/checkpoint", ckpt("llama")), {})
+    out = capsys.readouterr().out
+    assert "tok/s" in out and "r1" in out
