@@ -8,7 +8,7 @@ export CUDA_HOME
 export CUDACXX ?= $(if $(wildcard $(CUDA_HOME)/bin/nvcc),$(CUDA_HOME)/bin/nvcc,)
 TORCH_VERSION ?= 2.14.1
 
-.PHONY: all venv build demo test bench device-check clean
+.PHONY: all venv build demo test test-oldest test-cpu-torch bench device-check clean
 
 all: build
 
@@ -32,6 +32,39 @@ demo: build
 
 test: build
 	$(PY) -m pytest -q tests
+
+# ---- the tested range of torch: each extra venv lives under build/ with its own build dir ------
+# A second venv cannot share build/<wheel_tag> with .venv (same tag, other torch), and its editable
+# install lives in its own site-packages, so .venv's install is untouched.
+OLDEST_TORCH := 2.11.0
+CPU_TORCH := 2.13.0
+TEST_VENV_DEPS := "scikit-build-core>=0.10" "cmake>=3.26" ninja numpy pytest pytest-benchmark hypothesis
+# The backend-independent contract: every op against the reference on each CPU-runnable backend.
+CONTRACT_TESTS = $(wildcard tests/test_ops.py tests/test_contract.py tests/test_cpu_backend.py tests/test_cuda_emu.py)
+
+build/venv-oldest/.deps:
+	test -x build/venv-oldest/bin/python || $(PYTHON) -m venv build/venv-oldest
+	build/venv-oldest/bin/python -m pip install -q torch==$(OLDEST_TORCH) $(TEST_VENV_DEPS)
+	touch $@
+
+# Pinned to the +cpu local version: plain torch==X from PyPI is a CUDA build.
+build/venv-cpu-torch/.deps:
+	test -x build/venv-cpu-torch/bin/python || $(PYTHON) -m venv build/venv-cpu-torch
+	build/venv-cpu-torch/bin/python -m pip install -q torch==$(CPU_TORCH)+cpu $(TEST_VENV_DEPS)
+	build/venv-cpu-torch/bin/python -c "import torch, sys; sys.exit(f'not a CPU-only torch: {torch.__version__} cuda {torch.version.cuda}' if torch.version.cuda else 0)"
+	touch $@
+
+# torch 2.11 (with the triton 3.6 it brings): CPU build of the extension, contract + Triton tests.
+test-oldest: build/venv-oldest/.deps
+	PAGED_OPS_CUDA=off build/venv-oldest/bin/python -m pip install -q --no-build-isolation --no-deps \
+	    -C build-dir=build/oldest -e .
+	build/venv-oldest/bin/python -m pytest -q $(CONTRACT_TESTS) tests/test_triton.py
+
+# A CPU-only torch (no torch.version.cuda): CPU (+ cuda_emu when the CUDA headers exist) build.
+test-cpu-torch: build/venv-cpu-torch/.deps
+	PAGED_OPS_CUDA=off build/venv-cpu-torch/bin/python -m pip install -q --no-build-isolation --no-deps \
+	    -C build-dir=build/cpu-torch -e .
+	build/venv-cpu-torch/bin/python -m pytest -q $(CONTRACT_TESTS)
 
 bench: build
 	$(PY) -m pytest -q bench --benchmark-enable
