@@ -195,3 +195,27 @@ def test_stop_token_text_is_left_out(llm, include):
                                                 include_stop_str_in_output=include))[0].outputs[0]
     assert c.token_ids == ids[:j + 1] and c.stop_reason == stop and c.finish_reason == "stop"
     assert c.text == completion_text(llm, ids[:j + 1] if include else ids[:j])
+
+
+def test_incremental_detokenization_of_split_characters():
+    """Byte-level BPE splits multi-byte characters across tokens: text is emitted only once a
+    character is complete (never a replacement character), and the pieces add up to decode()."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["héllo wörld, 日本語のテキスト", "naïve café — ünïcödé 😀 emoji", "plain ascii words here"] * 5
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>"],
+                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>")
+    held_back = 0
+    for text in ["日本語 and 😀 café", "ünïcödé 😀😀 x", "<s>héllo"]:
+        ids = tok(text)["input_ids"]
+        for skip in (True, False):
+            d = IncrementalDetokenizer(tok, tok("naïve ")["input_ids"], skip)
+            pieces = [d.add(i) for i in ids]
+            assert "".join(pieces) == d.text == tok.decode(ids, skip_special_tokens=skip)
+            assert not any("\ufffd" in p for p in pieces)
+            held_back += sum(p == "" for p in pieces[:-1])
+    assert held_back > 0  # some tokens were partial characters, so the test exercised the hold-back
