@@ -126,5 +126,8 @@ def test_logprobs_options(ckpt):
     assert all(len(e) == 128 for e in o.outputs[0].logprobs + o.prompt_logprobs[1:])
     o = llm.generate([PROMPTS[1]], params(temperature=1.0, seed=3))[0]
     check([o], hf_model(ckpt("llama")), TOL[torch.float32])
+    o = llm.generate([PROMPTS[2]], params(n=3, temperature=1.0, seed=5))[0]  # forked samples: their own logprobs
+    assert len({tuple(c.token_ids) for c in o.outputs}) > 1
+    check([o], hf_model(ckpt("llama")), TOL[torch.float32])
     o = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=2))[0]
     assert o.prompt_logprobs is None and o.outputs[0].logprobs is None and o.outputs[0].cumulative_logprob is None
