@@ -1,91 +1,87 @@
-"""Backends, backend selection, and the implementation of the public ``torch.ops.paged.*``.
+"""Backends and backend selection of the public ``torch.ops.paged.*``.
 
-A backend is one implementation of the whole op contract. ``backend(name)`` returns it as an
-object whose methods have the ops' signatures and validate their inputs; ``torch.ops.paged.*``
-validates, picks a backend for the tensors' device and calls it:
+A backend is one implementation of the whole op contract, registered as its own namespace of
+the same schemas (``torch.ops.paged_cpu.*``, ``paged_cuda``, ``paged_cuda_emu``, ``paged_triton``).
+``torch.ops.paged.*`` itself is C++ (``csrc/public/``): it validates the inputs, picks a backend
+and calls that namespace through the dispatcher:
 
-- a backend forced with ``use_backend(name)`` (innermost wins) or ``PAGED_OPS_BACKEND=name``;
-- else the first available of ``DEFAULT_ORDER[device]``.
+- the backend of ``backend(name).op(...)`` for that call;
+- else one forced with ``use_backend(name)`` (innermost wins; follows asyncio tasks and threads
+  like any ``contextvars.ContextVar``), else ``PAGED_OPS_BACKEND=name`` (read per call);
+- else by device: CPU tensors -> ``cpu``; CUDA tensors -> ``cuda`` where built for the device,
+  else ``triton``.
+
+This module holds the Python side of that: availability, the ``use_backend`` context variable,
+the Triton backend's kernels (Python, registered with ``torch.library`` and importing
+``paged_ops.triton`` on first use so ``import paged_ops`` stays fast) and the fake (meta)
+implementations used under tracing.
 """
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
-import os
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from . import _validate
+from . import _C
 
 OPS = ("reshape_and_cache", "decode_attention", "prefill_attention", "quantize_fp8",
        "dequantize_fp8", "copy_blocks", "swap_blocks")
 
-# The hand-written CUDA kernels first, where they were built: they are tuned per shape on disk.
-DEFAULT_ORDER = {"cpu": ("cpu",), "cuda": ("cuda", "triton")}
+# Index order is the C++ side's (csrc/public/select.h); names, in that order, are the
+# available_backends() order.
+_NAMES: tuple[str, ...] = _C._backend_names()
+_NAMESPACES: dict[str, str] = dict(zip(_NAMES, _C._backend_namespaces()))
+_INDEX = {name: i for i, name in enumerate(_NAMES)}
+_DEVICES = {"cpu": ("cpu",), "cuda": ("cuda",), "cuda_emu": ("cpu",)}  # triton: its module says
+
+# use_backend's forced backend (index into _NAMES, or None). The C++ op reads it only while
+# some use_backend block is open (_C._add_override counts them).
+_FORCED: contextvars.ContextVar[int | None] = contextvars.ContextVar("paged_ops_forced_backend", default=None)
+_C._set_backend_var(_FORCED)
 
 
-@dataclass(frozen=True)
-class _CppBackend:
-    """A backend compiled into paged_ops._C, registered as torch.ops.<namespace>.*."""
-
-    namespace: str
-    devices: tuple[str, ...]
-    needs_gpu: bool = False
-
-    def is_available(self) -> bool:
-        if self.needs_gpu and not torch.cuda.is_available():
-            return False
-        return all(hasattr(getattr(torch.ops, self.namespace), op) for op in OPS)
-
-    def function(self, op: str) -> Callable:
-        return getattr(getattr(torch.ops, self.namespace), op)
+def _triton():
+    return importlib.import_module("paged_ops.triton")
 
 
-@dataclass(frozen=True)
-class _PythonBackend:
-    """A backend written in Python (a module exporting DEVICES, is_available() and the ops)."""
+def _namespace_registered(namespace: str) -> bool:
+    return all(hasattr(getattr(torch.ops, namespace), op) for op in OPS)
 
-    module: str
 
-    def _load(self):
-        return importlib.import_module(self.module)
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(self._load().DEVICES)
-
-    def is_available(self) -> bool:
+@functools.cache
+def _is_available(name: str) -> bool:
+    # What a process can run does not change while it runs.
+    if name == "triton":
         try:
-            return bool(self._load().is_available())
+            return bool(_triton().is_available())
         except (ImportError, AttributeError):  # triton missing, or too old for the kernels
             return False
+    if name == "cuda" and not torch.cuda.is_available():
+        return False
+    return _namespace_registered(_NAMESPACES[name])
 
-    def function(self, op: str) -> Callable:
-        return getattr(self._load(), op)
 
-
-_REGISTRY = {
-    "cpu": _CppBackend("paged_cpu", ("cpu",)),
-    "triton": _PythonBackend("paged_ops.triton"),
-    "cuda": _CppBackend("paged_cuda", ("cuda",), needs_gpu=True),
-    "cuda_emu": _CppBackend("paged_cuda_emu", ("cpu",)),
-}
+def available_backends() -> list[str]:
+    """Names of the backends usable on this machine."""
+    return [name for name in _NAMES if _is_available(name)]
 
 
 class Backend:
-    """One implementation of every op; methods validate their inputs, then run the kernels."""
+    """One implementation of every op; methods validate their inputs (the public op's checks),
+    then run this backend's kernels. They take the ops' arguments, keywords included."""
 
     def __init__(self, name: str):
         self.name = name
-        self._impl = _REGISTRY[name]
+        self._index = _INDEX[name]
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return self._impl.devices
+        return tuple(_triton().DEVICES) if self.name == "triton" else _DEVICES[self.name]
 
     def __repr__(self) -> str:
         return f"paged_ops.backend({self.name!r})"
@@ -95,115 +91,140 @@ class Backend:
         validated their arguments once and time many calls). Bad input here is undefined."""
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; ops: {OPS}")
-        return self._impl.function(op)
+        if self.name == "triton":
+            return getattr(_triton(), op)
+        return getattr(getattr(torch.ops, _NAMESPACES[self.name]), op).default
 
     def __getattr__(self, op: str):
         if op not in OPS:
             raise AttributeError(op)
-        check = getattr(_validate, op)
-        run = self._impl.function(op)
+        public = getattr(torch.ops.paged, op).default
+        index, swap = self._index, _C._swap_call_backend
 
-        def call(*args):
-            check(*args)
-            _call_backend(self.name, run, op, args)
+        # The public op, with this backend forced for exactly this call on this thread: same
+        # validation, same empty-call handling, same errors.
+        def call(*args, **kwargs):
+            previous = swap(index)
+            try:
+                public(*args, **kwargs)
+            finally:
+                swap(previous)
 
         call.__name__ = op
         call.__doc__ = f"{op} on the {self.name!r} backend (validated; see paged_ops.reference.{op})."
+        setattr(self, op, call)  # later lookups skip __getattr__
         return call
-
-
-@functools.cache
-def _is_available(name: str) -> bool:
-    # What a process can run does not change while it runs; torch.ops.paged.* asks on every call.
-    return _REGISTRY[name].is_available()
-
-
-def available_backends() -> list[str]:
-    """Names of the backends usable on this machine."""
-    return [name for name in _REGISTRY if _is_available(name)]
 
 
 def backend(name: str) -> Backend:
     """The backend ``name`` ('cpu', 'triton', 'cuda', 'cuda_emu') as an object with the ops."""
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown backend {name!r}; known: {sorted(_REGISTRY)}")
+    if name not in _INDEX:
+        raise ValueError(f"unknown backend {name!r}; known: {sorted(_INDEX)}")
     if not _is_available(name):
         raise RuntimeError(f"backend {name!r} is not available here; available: {available_backends()}")
     return Backend(name)
 
 
-_forced = threading.local()
-
-
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Route ``torch.ops.paged.*`` to backend ``name`` inside the block (this thread only)."""
+    """Route ``torch.ops.paged.*`` to backend ``name`` inside the block: this thread, and this
+    asyncio task (a ``contextvars`` variable: tasks started inside inherit it, others don't)."""
     backend(name)  # fail early on an unknown or unavailable name
-    stack = _forced.__dict__.setdefault("stack", [])
-    stack.append(name)
+    token = _FORCED.set(_INDEX[name])
+    _C._add_override(1)
     try:
         yield
     finally:
-        stack.pop()
+        _C._add_override(-1)
+        _FORCED.reset(token)
 
 
 def selected_backend(device_type: str) -> str:
-    """The backend ``torch.ops.paged.*`` uses for tensors on ``device_type`` right now."""
-    stack = getattr(_forced, "stack", None)
-    name = stack[-1] if stack else os.environ.get("PAGED_OPS_BACKEND") or None
-    if name is not None:
-        if device_type not in _REGISTRY[name].devices:
-            raise RuntimeError(f"backend {name!r} (forced) does not run on {device_type} tensors")
-        return name
-    for candidate in DEFAULT_ORDER.get(device_type, ()):
-        if _is_available(candidate):
-            return candidate
-    raise RuntimeError(f"no paged_ops backend runs on {device_type} tensors; available: {available_backends()}")
+    """The backend ``torch.ops.paged.*`` uses for tensors on ``device_type`` right now
+    ('cpu', 'cuda' or 'cuda:1'). Raises like the op would for a bad PAGED_OPS_BACKEND."""
+    return _C._selected_backend(str(device_type))
+
+
+# ---- the triton backend's kernels ------------------------------------------------------------
 
 
 def _device_of(op: str, args) -> torch.device:
     if op == "copy_blocks":
         return args[0][0].device
-    if op == "swap_blocks":  # a GPU<->CPU swap belongs to the GPU's backend
+    if op == "swap_blocks":  # a GPU<->CPU swap belongs to the GPU's side
         return args[1].device if args[0].device.type == "cpu" else args[0].device
-    return next(a.device for a in args if isinstance(a, torch.Tensor))
+    return args[1].device if op != "reshape_and_cache" else args[0].device
 
 
-def _is_empty(op: str, args) -> bool:
-    if op in ("copy_blocks", "swap_blocks"):
-        return args[2].shape[0] == 0
-    if op == "reshape_and_cache":
-        return args[0].shape[0] == 0
-    return args[1].numel() == 0  # the query / input
+def _triton_kernel(op: str) -> Callable:
+    schema_args = getattr(torch.ops.paged, op).default._schema.arguments
+
+    def kernel(*args, **kwargs):
+        # The dispatcher leaves out trailing arguments equal to their defaults; the Triton
+        # functions take every argument.
+        args = (*args, *(kwargs.get(a.name, a.default_value) for a in schema_args[len(args):]))
+        module = _triton()
+        if not _is_available("triton"):
+            raise RuntimeError(f"backend 'triton' is not available here (triton missing or too old); "
+                               f"available: {available_backends()}")
+        device = _device_of(op, args).type
+        if device not in module.DEVICES:
+            raise RuntimeError(f"backend 'triton' does not run on {device} tensors here"
+                               + (" (set TRITON_INTERPRET=1 before triton is first imported)" if device == "cpu" else ""))
+        getattr(module, op)(*args)
+
+    kernel.__name__ = f"paged_triton_{op}"
+    return kernel
 
 
-def _call_backend(name: str, run: Callable, op: str, args) -> None:
-    if _is_empty(op, args):
+# ---- fake (meta) implementations -----------------------------------------------------------
+
+
+def _named_tensors(op: str, args):
+    names = [a.name for a in getattr(torch.ops.paged, op).default._schema.arguments]
+    for name, value in zip(names, args):
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, (list, tuple)):
+            yield from ((f"{name}[{i}]", t) for i, t in enumerate(value) if isinstance(t, torch.Tensor))
+
+
+def _check_fake_devices(op: str, args) -> None:
+    """The device rules of the contract, for the fake: a real ``meta`` tensor mixed with tensors
+    elsewhere must not pass silently (a CPU ``out`` would never be written), and under tracing
+    the fake tensors' devices follow the same rules as the real op's."""
+    tensors = list(_named_tensors(op, args))
+    if not tensors:
         return
-    if op == "copy_blocks":  # backends get the mapping on the caches' device
-        args = (*args[:2], args[2].to(args[0][0].device))
-    run(*args)
+    if op == "swap_blocks":  # src and dst may be on different devices (GPU<->CPU), not meta and real
+        metas = [nt for nt in tensors if nt[1].device.type == "meta"]
+        if metas and len(metas) < len(tensors):
+            real = next(nt for nt in tensors if nt[1].device.type != "meta")
+            raise ValueError(f"{metas[0][0]} is on meta but {real[0]} is on {real[1].device}: "
+                             "meta tensors cannot be mixed with tensors on a device")
+        return
+    ref_name, ref = tensors[0]
+    for name, t in tensors[1:]:
+        if t.device == ref.device:
+            continue
+        if op == "copy_blocks" and name == "block_mapping" and t.device.type == "cpu" and ref.device.type != "meta":
+            continue  # the mapping may stay on the CPU
+        raise ValueError(f"{name} is on {t.device} but must be on {ref.device} (like {ref_name})")
 
 
-def _route(op: str) -> Callable:
-    check = getattr(_validate, op)
+def _fake(op: str) -> Callable:
+    # Every op writes into its arguments and returns nothing, so tracing needs no shapes.
+    def fake(*args, **kwargs):
+        _check_fake_devices(op, args)
 
-    def routed(*args):
-        check(*args)
-        name = selected_backend(_device_of(op, args).type)
-        _call_backend(name, _REGISTRY[name].function(op), op, args)
-
-    return routed
+    return fake
 
 
 def _register() -> None:
-    # torch.ops.paged.* on CPU and CUDA tensors: validation and backend choice live here, once.
     for op in OPS:
-        torch.library.impl(f"paged::{op}", ("cpu", "cuda"))(_route(op))
-    # Every op writes into its arguments and returns nothing, so tracing needs no shapes from
-    # the fake implementation: it only has to exist.
-    for namespace in ["paged"] + [b.namespace for b in _REGISTRY.values() if isinstance(b, _CppBackend)]:
-        if not hasattr(torch.ops, namespace) or not hasattr(getattr(torch.ops, namespace), OPS[0]):
+        torch.library.impl(f"paged_triton::{op}", ("cpu", "cuda"))(_triton_kernel(op))
+    for namespace in ("paged", *_NAMESPACES.values()):
+        if not _namespace_registered(namespace):
             continue
         for op in OPS:
-            torch.library.register_fake(f"{namespace}::{op}")(lambda *args, **kwargs: None)
+            torch.library.register_fake(f"{namespace}::{op}")(_fake(op))

@@ -1,0 +1,23 @@
+// Which backend a public op runs on: forced (paged_ops.backend(name), paged_ops.use_backend(name),
+// PAGED_OPS_BACKEND), else by device (CPU -> cpu; CUDA -> cuda where built with a kernel image for
+// the device, else triton). Plus the few functions paged_ops/backends.py calls through paged_ops._C.
+#pragma once
+#include <Python.h>
+#include <c10/core/Device.h>
+
+namespace paged::api {
+
+// Order = paged_ops.available_backends() order.
+enum Backend : int { kCpu = 0, kTriton = 1, kCuda = 2, kCudaEmu = 3, kNumBackends = 4 };
+
+const char* backend_name(int backend);       // "cpu", "triton", "cuda", "cuda_emu"
+const char* backend_namespace(int backend);  // "paged_cpu", ...
+
+// The backend for a call on tensors of `device`. Throws c10::ValueError for an unknown
+// PAGED_OPS_BACKEND, c10::Error when the forced backend does not run on the device.
+int select_backend(const c10::Device& device);
+
+// The methods of the paged_ops._C Python module (NULL-terminated).
+PyMethodDef* python_methods();
+
+}  // namespace paged::api

@@ -1,0 +1,36 @@
+// Input validation of the public ops (torch.ops.paged.*), run before any backend sees the tensors.
+//
+// Dtype, rank, shape, device, stride and size checks read only tensor metadata and always run.
+// Checks that read tensor contents (block ids of used blocks, slots, copy/swap indices, seq_lens,
+// cu_seqlens_q, max_seqlen_q against the longest query) always run on CPU tensors, in place;
+// on CUDA tensors they would cost a device sync, so they run only with PAGED_OPS_CHECK=1 (then
+// on a host copy). Every failure is a c10::ValueError (Python: ValueError) naming the argument.
+// What a backend may then assume: docs/CONTRACT_NOTES.md.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace paged::api {
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key_cache,
+                             const Tensor& value_cache, const Tensor& slot_mapping,
+                             const OptTensor& k_scale, const OptTensor& v_scale);
+void check_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                            const Tensor& value_cache, const Tensor& block_tables,
+                            const Tensor& seq_lens, const OptTensor& k_scale,
+                            const OptTensor& v_scale);
+void check_prefill_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                             const Tensor& value_cache, const Tensor& block_tables,
+                             const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                             int64_t max_seqlen_q, const OptTensor& k_scale,
+                             const OptTensor& v_scale);
+void check_quantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale);
+void check_dequantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale);
+void check_copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
+                       const Tensor& block_mapping);
+void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block_mapping);
+
+}  // namespace paged::api
