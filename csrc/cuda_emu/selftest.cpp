@@ -89,6 +89,294 @@ __global__ void mma_kernel(const T* A, const T* B, const T* Bt, float* out) {
   }
 }
 
+// ---- mma against the PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type") ----
+// Registers built from the ISA's formulas, not from kernels/mma.cuh's loaders. With
+// groupID = laneid >> 2 and threadID_in_group = laneid % 4, the elements of a lane, low to high
+// (two 16-bit elements per .f16x2 register, the lower-numbered one in the low half):
+//   A a0..a7: row = groupID for 0 <= i < 2 || 4 <= i < 6, else groupID + 8;
+//             col = threadID_in_group * 2 + (i & 1), + 8 for i >= 4
+//   B b0..b3: row = threadID_in_group * 2 + (i & 1), + 8 for i >= 2; col = groupID
+//   C/D c0..c3 (f32): row = groupID for i < 2, else groupID + 8; col = threadID_in_group * 2 + (i & 1)
+struct PtxFrag {
+  static int a_row(int lane, int i) { return (lane >> 2) + ((i < 2 || (i >= 4 && i < 6)) ? 0 : 8); }
+  static int a_col(int lane, int i) { return (lane % 4) * 2 + (i & 1) + (i >= 4 ? 8 : 0); }
+  static int b_row(int lane, int i) { return (lane % 4) * 2 + (i & 1) + (i >= 2 ? 8 : 0); }
+  static int b_col(int lane, int) { return lane >> 2; }
+  static int c_row(int lane, int i) { return (lane >> 2) + (i < 2 ? 0 : 8); }
+  static int c_col(int lane, int i) { return (lane % 4) * 2 + (i & 1); }
+};
+
+// One warp. A: [16][16], B: [16][8] (k-major), Bt: [8][16] (= B^T, n-major), all row-major T.
+// out_d: [16][8] float, D = A B through the emulated mma from ISA-built registers.
+// out_regs: [32][3][6] uint32: per lane the ISA registers (a0..a3, b0, b1), the kernels' loaders
+// with B from [k][n] (load_b_frag_kn) and with B from [n][k] (load_b_frag_nk).
+// `mutation` breaks the ISA side on purpose (the test shows the comparison then fails):
+// 1 = A's element rows swapped (groupID + 8 for a0/a1), 2 = B's k halves swapped.
+template <typename T>
+__global__ void mma_ptx_kernel(const T* A, const T* B, const T* Bt, float* out_d, uint32_t* out_regs, int mutation) {
+  namespace k = paged_cuda_emu_selftest_impl;
+  const int lane = threadIdx.x;
+  auto elem_bits = [](const T* m, int ld, int r, int c) {
+    uint16_t u;
+    std::memcpy(&u, m + r * ld + c, 2);
+    return uint32_t(u);
+  };
+  uint32_t a[4], b[2];
+  for (int reg = 0; reg < 4; ++reg) {
+    uint32_t v = 0;
+    for (int half = 0; half < 2; ++half) {
+      const int i = 2 * reg + half;
+      int row = PtxFrag::a_row(lane, i);
+      if (mutation == 1) row ^= 8;
+      v |= elem_bits(A, 16, row, PtxFrag::a_col(lane, i)) << (16 * half);
+    }
+    a[reg] = v;
+  }
+  for (int reg = 0; reg < 2; ++reg) {
+    uint32_t v = 0;
+    for (int half = 0; half < 2; ++half) {
+      const int i = 2 * reg + half;
+      int row = PtxFrag::b_row(lane, i);
+      if (mutation == 2) row ^= 8;
+      v |= elem_bits(B, 8, row, PtxFrag::b_col(lane, i)) << (16 * half);
+    }
+    b[reg] = v;
+  }
+  float d[4] = {0, 0, 0, 0};
+  k::mma_16816<T>(d, a, b);
+  for (int i = 0; i < 4; ++i) out_d[PtxFrag::c_row(lane, i) * 8 + PtxFrag::c_col(lane, i)] = d[i];
+
+  __shared__ T sa[16 * 16], sb[16 * 8], sbt[8 * 16];
+  for (int i = lane; i < 256; i += 32) sa[i] = A[i];
+  for (int i = lane; i < 128; i += 32) sb[i] = B[i], sbt[i] = Bt[i];
+  __syncwarp();
+  uint32_t la[4], lb[2], lbt[2];
+  k::load_a_frag(la, sa, 16, 0, 0);
+  k::load_b_frag_kn(lb, sb, 8, 0, 0);
+  k::load_b_frag_nk(lbt, sbt, 16, 0, 0);
+  uint32_t* o = out_regs + lane * 18;
+  const uint32_t* rows[3][2] = {{a, b}, {la, lb}, {la, lbt}};
+  for (int v = 0; v < 3; ++v) {
+    for (int i = 0; i < 4; ++i) o[v * 6 + i] = rows[v][0][i];
+    o[v * 6 + 4] = rows[v][1][0];
+    o[v * 6 + 5] = rows[v][1][1];
+  }
+}
+
+std::vector<at::Tensor> mma_ptx(const at::Tensor& A, const at::Tensor& B, int64_t mutation) {
+  TORCH_CHECK(A.sizes() == at::IntArrayRef({16, 16}) && B.sizes() == at::IntArrayRef({16, 8}));
+  TORCH_CHECK(A.scalar_type() == B.scalar_type());
+  at::Tensor d = at::full({16, 8}, std::nanf(""), A.options().dtype(at::kFloat));
+  at::Tensor regs = at::zeros({32, 3, 6}, A.options().dtype(at::kInt));
+  const at::Tensor a = A.contiguous(), b = B.contiguous(), bt = B.t().contiguous();
+  auto* r = reinterpret_cast<uint32_t*>(regs.data_ptr<int>());
+  if (A.scalar_type() == at::kHalf) {
+    using T = __half;
+    cuda_emu::launch(mma_ptx_kernel<T>, dim3(1), dim3(32), 0, static_cast<const T*>(a.data_ptr()),
+                     static_cast<const T*>(b.data_ptr()), static_cast<const T*>(bt.data_ptr()), d.data_ptr<float>(), r,
+                     int(mutation));
+  } else {
+    TORCH_CHECK(A.scalar_type() == at::kBFloat16);
+    using T = __nv_bfloat16;
+    cuda_emu::launch(mma_ptx_kernel<T>, dim3(1), dim3(32), 0, static_cast<const T*>(a.data_ptr()),
+                     static_cast<const T*>(b.data_ptr()), static_cast<const T*>(bt.data_ptr()), d.data_ptr<float>(), r,
+                     int(mutation));
+  }
+  return {d, regs};
+}
+
+// ---- strict checks: tiny kernels that break (or keep) one rule each -----------------------------
+// Vector accesses at `off` bytes past a 64-byte aligned buffer; out gets the loaded values.
+template <typename V>
+__global__ void vec_load_kernel(const unsigned char* base, int off, float* out) {
+  static_assert(sizeof(V) >= 4 && sizeof(V) <= 16, "a 4..16-byte access");
+  const V v = *reinterpret_cast<const V*>(base + off);
+  float f[4] = {};
+  std::memcpy(f, &v, sizeof(V));
+  out[threadIdx.x] = f[0];
+}
+template <typename V>
+__global__ void vec_store_kernel(unsigned char* base, int off) {
+  V v{};
+  *reinterpret_cast<V*>(base + off) = v;
+}
+
+// Thread t copies 16 bytes of src (row t) to shared memory, then reads them back into out (4 floats
+// per thread). mode: what the kernel does wrong.
+enum CpMode {
+  kCpOk = 0,             // copy, commit, wait_group 0, barrier, read a neighbour's row
+  kCpNoWait = 1,         // read its own row right after commit (no wait)
+  kCpWaitTooLoose = 2,   // two groups (row t, row t + n), wait_group 1 before reading both
+  kCpExitPending = 3,    // never waits
+  kCpBarrierUncommitted = 4,  // barrier before the commit
+  kCpPipelined = 5,      // committed group in flight across a barrier, waited after: legal
+  kCpWaitAll = 6,        // wait_all covers a group never committed
+};
+__global__ void cp_async_kernel(const float* src, float* out, int mode, int bytes, int src_off, int dst_off, int cg) {
+  const int t = threadIdx.x, n = blockDim.x;
+  float* s = ::cuda_emu::dynamic_smem<float>(size_t(8) * n + 8);
+  char* dst = reinterpret_cast<char*>(s + 4 * t) + dst_off;
+  const char* from = reinterpret_cast<const char*>(src + 4 * t) + src_off;
+  if (mode == kCpBarrierUncommitted) {
+    ::cuda_emu::cp_async(dst, from, bytes, cg);
+    __syncthreads();
+    ::cuda_emu::cp_async_wait_all();
+    return;
+  }
+  ::cuda_emu::cp_async(dst, from, bytes, cg);
+  if (mode == kCpWaitTooLoose) {
+    ::cuda_emu::cp_async_commit_group();
+    ::cuda_emu::cp_async(s + 4 * (n + t), src + 4 * (n + t), 16, true);
+    ::cuda_emu::cp_async_commit_group();
+    ::cuda_emu::cp_async_wait_group(1);  // only the first group is complete
+    for (int i = 0; i < 4; ++i) out[4 * t + i] = s[4 * t + i], out[4 * (n + t) + i] = s[4 * (n + t) + i];
+    ::cuda_emu::cp_async_wait_group(0);
+    return;
+  }
+  if (mode == kCpWaitAll) {
+    ::cuda_emu::cp_async_wait_all();
+    for (int i = 0; i < 4; ++i) out[4 * t + i] = s[4 * t + i];
+    return;
+  }
+  ::cuda_emu::cp_async_commit_group();
+  if (mode == kCpExitPending) return;
+  if (mode == kCpNoWait) {
+    for (int i = 0; i < 4; ++i) out[4 * t + i] = s[4 * t + i];
+    ::cuda_emu::cp_async_wait_group(0);
+    return;
+  }
+  if (mode == kCpPipelined) {
+    __syncthreads();  // the group is still in flight here, as in a double-buffered loop
+    ::cuda_emu::cp_async_wait_group(0);
+  } else {
+    ::cuda_emu::cp_async_wait_group(0);
+  }
+  __syncthreads();
+  const int u = (t + 1) % n;
+  for (int i = 0; i < 4; ++i) out[4 * t + i] = s[4 * u + i];
+}
+
+// Every thread writes its value to shared memory; the LAST thread sums them. With `barrier` = 0
+// the __syncthreads between is missing: in program order (forward) the last thread runs after
+// everybody wrote and the bug is hidden; in reverse or random order it reads unwritten (NaN) slots.
+__global__ void sum_last_kernel(const float* in, float* out, int barrier) {
+  float* s = ::cuda_emu::dynamic_smem<float>(blockDim.x);
+  const unsigned t = threadIdx.x;
+  s[t] = in[t];
+  if (barrier) __syncthreads();
+  if (t == blockDim.x - 1) {
+    float acc = 0.f;
+    for (unsigned i = 0; i < blockDim.x; ++i) acc += s[i];
+    out[blockIdx.x] = acc;
+  }
+}
+
+// Dynamic shared memory opt-in: two distinct kernels (template instances) touching `count` floats.
+template <int Tag>
+__global__ void big_smem_kernel(float* out, int count) {
+  float* s = ::cuda_emu::dynamic_smem<float>(count);
+  for (int i = threadIdx.x; i < count; i += blockDim.x) s[i] = float(i);
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = s[count - 1];
+}
+
+// __launch_bounds__(64): the bound restated as the first statement (what kernels/common.cuh's
+// PAGED_LAUNCH_BOUNDS_CHECK expands to on the emulator).
+__global__ void __launch_bounds__(64) bounded_kernel(float* out) {
+  ::cuda_emu::check_launch_bounds(64);
+  out[threadIdx.x] = 1.f;
+}
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Runs one strict-check case; returns what the kernel wrote (cases that must fail raise).
+at::Tensor strict(const std::string& what) {
+  std::vector<unsigned char> raw(4096 + 64);
+  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw.data()) + 63) & ~uintptr_t(63));
+  for (int i = 0; i < 4096; ++i) base[i] = static_cast<unsigned char>(i * 7 + 1);
+  at::Tensor out = at::full({1024}, std::nanf(""), at::kFloat);
+  float* o = out.data_ptr<float>();
+  at::Tensor src_t = at::arange(1024, at::kFloat).add_(0.25);
+  const float* src = src_t.data_ptr<float>();
+  auto vec = [&](auto tag, int off, bool store) {
+    using V = typename decltype(tag)::type;
+    if (store) cuda_emu::launch(vec_store_kernel<V>, dim3(1), dim3(2), 0, base, off);
+    else cuda_emu::launch(vec_load_kernel<V>, dim3(1), dim3(2), 0, static_cast<const unsigned char*>(base), off, o);
+  };
+  auto cp = [&](int mode, int bytes, int src_off, int dst_off, int cg, unsigned threads = 32) {
+    cuda_emu::launch(cp_async_kernel, dim3(1), dim3(threads), (size_t(8) * threads + 8) * 4, src, o, mode, bytes,
+                     src_off, dst_off, cg);
+  };
+  cuda_emu::reset_func_attributes();
+  // Misaligned vector loads/stores (each must raise).
+  if (what == "uint4_load_off2") vec(TypeTag<uint4>{}, 2, false);
+  else if (what == "float4_load_off4") vec(TypeTag<float4>{}, 4, false);
+  else if (what == "float2_load_off4") vec(TypeTag<float2>{}, 4, false);
+  else if (what == "int4_load_off8") vec(TypeTag<int4>{}, 8, false);
+  else if (what == "uint2_load_off4") vec(TypeTag<uint2>{}, 4, false);
+  else if (what == "half2_load_off2") vec(TypeTag<__half2>{}, 2, false);
+  else if (what == "bf162_load_off2") vec(TypeTag<__nv_bfloat162>{}, 2, false);
+  else if (what == "float_load_off2") vec(TypeTag<float>{}, 2, false);
+  else if (what == "uint4_store_off8") vec(TypeTag<uint4>{}, 8, true);
+  else if (what == "float2_store_off4") vec(TypeTag<float2>{}, 4, true);
+  // The same accesses aligned (must not raise).
+  else if (what == "vectors_aligned") {
+    vec(TypeTag<uint4>{}, 16, false), vec(TypeTag<float4>{}, 32, false), vec(TypeTag<float2>{}, 8, false);
+    vec(TypeTag<int4>{}, 48, false), vec(TypeTag<uint2>{}, 8, false), vec(TypeTag<__half2>{}, 4, false);
+    vec(TypeTag<__nv_bfloat162>{}, 4, false), vec(TypeTag<float>{}, 4, false), vec(TypeTag<uint4>{}, 16, true);
+    vec(TypeTag<float2>{}, 8, true);
+  }
+  // cp.async rules.
+  else if (what == "cp_async_ok") cp(kCpOk, 16, 0, 0, 1);
+  else if (what == "cp_async_ca_sizes_ok") {
+    cp(kCpOk, 4, 0, 0, 0), cp(kCpOk, 8, 0, 0, 0), cp(kCpOk, 16, 0, 0, 0);
+  } else if (what == "cp_async_src_off1") cp(kCpOk, 16, 1, 0, 1);
+  else if (what == "cp_async_src_off8") cp(kCpOk, 16, 8, 0, 1);
+  else if (what == "cp_async_dst_off4") cp(kCpOk, 16, 0, 4, 1);
+  else if (what == "cp_async_8_off4") cp(kCpOk, 8, 4, 0, 0);
+  else if (what == "cp_async_4_off2") cp(kCpOk, 4, 2, 0, 0);
+  else if (what == "cp_async_size_2") cp(kCpOk, 2, 0, 0, 0);
+  else if (what == "cp_async_size_12") cp(kCpOk, 12, 0, 0, 0);
+  else if (what == "cp_async_cg_8") cp(kCpOk, 8, 0, 0, 1);
+  else if (what == "cp_async_no_wait") cp(kCpNoWait, 16, 0, 0, 1);
+  else if (what == "cp_async_wait_too_loose") cp(kCpWaitTooLoose, 16, 0, 0, 1);
+  else if (what == "cp_async_exit_pending") cp(kCpExitPending, 16, 0, 0, 1);
+  else if (what == "cp_async_barrier_uncommitted") cp(kCpBarrierUncommitted, 16, 0, 0, 1);
+  else if (what == "cp_async_pipelined") cp(kCpPipelined, 16, 0, 0, 1);
+  else if (what == "cp_async_wait_all") cp(kCpWaitAll, 16, 0, 0, 1);
+  // A missing __syncthreads (output: one sum per block).
+  else if (what == "missing_barrier" || what == "with_barrier") {
+    at::Tensor in = at::arange(128, at::kFloat).add_(1);
+    cuda_emu::launch(sum_last_kernel, dim3(8), dim3(128), 128 * 4, static_cast<const float*>(in.data_ptr<float>()), o,
+                     int(what == "with_barrier"));
+  }
+  // Dynamic shared memory opt-in (64 KB = 16384 floats).
+  else if (what == "smem_64k_no_optin") cuda_emu::launch(big_smem_kernel<0>, dim3(1), dim3(64), 65536, o, 16384);
+  else if (what == "smem_48k_no_optin") cuda_emu::launch(big_smem_kernel<0>, dim3(1), dim3(64), 49152, o, 12288);
+  else if (what == "smem_64k_optin") {
+    TORCH_CHECK(cuda_emu::func_set_max_dynamic_smem(big_smem_kernel<0>, 65536) == cudaSuccess);
+    cuda_emu::launch(big_smem_kernel<0>, dim3(1), dim3(64), 65536, o, 16384);
+  } else if (what == "smem_64k_optin_other_kernel") {
+    TORCH_CHECK(cuda_emu::func_set_max_dynamic_smem(big_smem_kernel<1>, 65536) == cudaSuccess);
+    cuda_emu::launch(big_smem_kernel<0>, dim3(1), dim3(64), 65536, o, 16384);
+  } else if (what == "smem_64k_optin_too_small") {
+    TORCH_CHECK(cuda_emu::func_set_max_dynamic_smem(big_smem_kernel<0>, 57344) == cudaSuccess);
+    cuda_emu::launch(big_smem_kernel<0>, dim3(1), dim3(64), 65536, o, 16384);
+  } else if (what == "smem_optin_over_limit") {
+    TORCH_CHECK(cuda_emu::func_set_max_dynamic_smem(big_smem_kernel<0>, 228 * 1024) == cudaErrorInvalidValue);
+  }
+  // __launch_bounds__.
+  else if (what == "bounds_ok") cuda_emu::launch(bounded_kernel, dim3(2), dim3(64), 0, o);
+  else if (what == "bounds_over") cuda_emu::launch(bounded_kernel, dim3(2), dim3(128), 0, o);
+  else TORCH_CHECK(false, "unknown strict case ", what);
+  return out;
+}
+
+void set_schedule(const std::string& mode) { cuda_emu::set_schedule(mode); }
+
 at::Tensor mma(const at::Tensor& A, const at::Tensor& B) {
   at::Tensor out = at::full({2, 16, 8}, std::nanf(""), A.options().dtype(at::kFloat));
   const at::Tensor a = A.contiguous(), b = B.contiguous(), bt = B.t().contiguous();
@@ -146,4 +434,7 @@ TORCH_LIBRARY(paged_cuda_emu_selftest, m) {
   m.def("atomics(int blocks, int threads) -> float[]", &atomics);
   m.def("misuse(str what) -> ()", &misuse);
   m.def("mma(Tensor A, Tensor B) -> Tensor", &mma);
+  m.def("mma_ptx(Tensor A, Tensor B, int mutation) -> Tensor[]", &mma_ptx);
+  m.def("strict(str what) -> Tensor", &strict);
+  m.def("set_schedule(str mode) -> ()", &set_schedule);
 }

@@ -25,12 +25,22 @@
 // RuntimeError. Checked: a barrier that not every thread of the block reaches (a thread exits
 // while others wait, or threads wait at different barriers forever), a shuffle whose mask names
 // a lane that never arrives or lanes that disagree on the mask, dynamic shared memory over the
-// launch's size or over the per-block limit, invalid launch dimensions.
+// launch's size or over the per-block limit, invalid launch dimensions, and (stricter than x86,
+// as strict as the GPU, each with its document in the code below):
+//  * misaligned accesses: every reinterpret_cast pointer against its type's alignment (16-byte
+//    vectors, float2, half2, ...), every cp.async against its size (4/8/16; .cg only 16);
+//  * cp.async is asynchronous: destination NaN until the wait_group / wait_all covering its
+//    commit group; exiting with copies in flight, or a barrier with uncommitted copies, fails;
+//  * over 48 KB of dynamic shared memory without cudaFuncSetAttribute on that kernel, and more
+//    threads than the kernel's __launch_bounds__ (PAGED_LAUNCH_BOUNDS_CHECK), fail at launch;
+//  * fiber order: between synchronisation points the fibers of a block run in a seeded random
+//    order by default (CUDA_EMU_SCHEDULE=forward|reverse|random[:seed], or set_schedule()), so a
+//    missing __syncthreads changes results instead of being hidden by program order.
 //
-// Not modelled: static __shared__ usage against the shared-memory limit, memory-model races
-// between threads of a block that are not separated by a barrier (fibers run in program order
-// until they block, so such races are hidden, not detected), warp-synchronous code that relies
-// on implicit lock-step execution without __syncwarp.
+// Not modelled: static __shared__ usage against the shared-memory limit, static __shared__ is
+// not poisoned between blocks (dynamic shared memory is), races between two accesses of the same
+// segment between synchronisation points (a fiber runs its segment without interleaving),
+// warp-synchronous code that relies on implicit lock-step execution without __syncwarp.
 //
 // Tensor cores: see `paged_mma` in csrc/kernels/mma.cuh, which has an emulated path built on the
 // warp exchange below.
@@ -51,14 +61,22 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <initializer_list>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <typeinfo>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -138,7 +156,23 @@ extern "C" inline __attribute__((naked, noinline, used)) void cuda_emu_switch_st
 
 struct BlockRun;
 
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 enum class FiberState : uint8_t { Runnable, WaitBlock, WaitWarp, Done };
+
+// One cp.async in flight: the source bytes read at issue, written to `dst` when a
+// cp.async.wait_group / wait_all of this thread covers its commit group.
+struct PendingCopy {
+  char* dst;
+  int bytes;
+  int group;  // index of the commit group it belongs to (== Fiber::committed while uncommitted)
+  unsigned char data[16];
+};
 
 struct Fiber {
   void* sp = nullptr;
@@ -146,7 +180,15 @@ struct Fiber {
   uint3 tid{};
   unsigned linear = 0;
   FiberState state = FiberState::Runnable;
+  std::vector<PendingCopy> copies;  // this thread's cp.async copies not yet waited for, in issue order
+  int committed = 0;                // cp.async.commit_group count of this thread
 };
+
+// Order in which the fibers of a block run between synchronisation points. A GPU gives no order
+// at all; running them in reverse or in a seeded random order makes a missing barrier (a read of
+// shared memory another thread has not written yet, or overwrites before everybody read) change
+// the results instead of being hidden by program order.
+enum class Schedule : int { Forward = 0, Reverse = 1, Random = 2 };
 
 constexpr size_t kMaxGatherBytes = 64;
 
@@ -204,6 +246,9 @@ struct BlockRun {
   void (*body)(void*) = nullptr;
   void* body_ctx = nullptr;
   std::exception_ptr error;
+  Schedule schedule = Schedule::Random;
+  uint64_t seed = 0;
+  std::vector<unsigned> order;  // fiber indices in the order of the current scheduling pass
 };
 
 inline Fiber& cur() { return *worker().cur; }
@@ -233,6 +278,11 @@ inline void fiber_main() {
   try {
     if (b.error) throw Error("cuda_emu: block aborted");  // never start a thread of a failed block
     b.body(b.body_ctx);
+    // Copies still in flight when their thread exits were never waited for: nobody can rely on
+    // their data (a kernel bug even where the hardware would finish them).
+    if (!f.copies.empty())
+      fail("thread exited with " + std::to_string(f.copies.size()) +
+           " cp.async copies it never waited for (cp.async.wait_group / wait_all missing)");
     // Exiting while others wait at a barrier they can never pass any more.
     if (b.bar_arrived > 0)
       fail("thread exited while " + std::to_string(b.bar_arrived) +
@@ -284,7 +334,16 @@ inline void run_block(BlockRun& b) {
     f.state = FiberState::Runnable;
     f.stack = w.stack(i);
     f.sp = init_stack(f.stack);
+    f.copies.clear();
+    f.committed = 0;
   }
+  b.order.resize(b.nthreads);
+  for (unsigned i = 0; i < b.nthreads; ++i)
+    b.order[i] = b.schedule == Schedule::Reverse ? b.nthreads - 1 - i : i;
+  // Random order: a fresh permutation every pass, from a generator seeded by (seed, block index)
+  // so that a run is reproducible whatever OS thread runs the block.
+  uint64_t rng = splitmix64(b.seed ^ splitmix64(uint64_t(b.bidx.x) | (uint64_t(b.bidx.y) << 32)) ^
+                            (uint64_t(b.bidx.z) << 48));
   for (size_t i = 0; i < b.warps.size(); ++i) {
     Warp& wp = b.warps[i];
     const unsigned lanes = std::min(32u, b.nthreads - unsigned(i) * 32);
@@ -297,7 +356,14 @@ inline void run_block(BlockRun& b) {
   bool aborting = false;
   while (b.done < b.nthreads) {
     bool progress = false;
-    for (unsigned i = 0; i < b.nthreads; ++i) {
+    if (b.schedule == Schedule::Random) {
+      for (unsigned i = b.nthreads; i > 1; --i) {  // Fisher-Yates
+        rng = splitmix64(rng);
+        std::swap(b.order[i - 1], b.order[unsigned(rng % i)]);
+      }
+    }
+    for (unsigned k = 0; k < b.nthreads; ++k) {
+      const unsigned i = b.order[k];
       Fiber& f = b.fibers[i];
       if (f.state == FiberState::Done) continue;
       if (f.state != FiberState::Runnable && !aborting) continue;
@@ -421,10 +487,101 @@ inline int max_workers() {
 #endif
 }
 
+// ---- Fiber schedule -------------------------------------------------------------------------------
+// The order of a block's fibers between synchronisation points (detail::Schedule). Chosen at each
+// launch: set_schedule() if a test set one, else CUDA_EMU_SCHEDULE=forward|reverse|random[:seed]
+// from the environment, else random with seed 0 (so every test runs in a non-program order).
+namespace detail {
+struct ScheduleOverride {
+  std::atomic<int> mode{-1};  // -1: none, else a Schedule
+  std::atomic<uint64_t> seed{0};
+};
+inline ScheduleOverride& schedule_override() {
+  static ScheduleOverride o;
+  return o;
+}
+inline std::pair<Schedule, uint64_t> parse_schedule(const std::string& s) {
+  const size_t colon = s.find(':');
+  const std::string mode = s.substr(0, colon);
+  uint64_t seed = 0;
+  if (colon != std::string::npos) seed = std::strtoull(s.c_str() + colon + 1, nullptr, 10);
+  if (mode == "forward") return {Schedule::Forward, seed};
+  if (mode == "reverse") return {Schedule::Reverse, seed};
+  if (mode == "random") return {Schedule::Random, seed};
+  throw Error("cuda_emu: schedule '" + s + "' is not forward, reverse or random[:seed]");
+}
+inline std::pair<Schedule, uint64_t> current_schedule() {
+  ScheduleOverride& o = schedule_override();
+  const int m = o.mode.load();
+  if (m >= 0) return {Schedule(m), o.seed.load()};
+  const char* env = std::getenv("CUDA_EMU_SCHEDULE");
+  if (env && env[0]) return parse_schedule(env);
+  return {Schedule::Random, 0};
+}
+}  // namespace detail
+
+// Force a schedule for the following launches ("forward", "reverse", "random[:seed]"); an empty
+// string goes back to CUDA_EMU_SCHEDULE / the default.
+inline void set_schedule(const std::string& s) {
+  detail::ScheduleOverride& o = detail::schedule_override();
+  if (s.empty()) {
+    o.mode = -1;
+    return;
+  }
+  const std::pair<detail::Schedule, uint64_t> p = detail::parse_schedule(s);
+  o.seed = p.second;
+  o.mode = int(p.first);
+}
+
+// ---- Per-kernel attributes ----------------------------------------------------------------------
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes): a launch with
+// more than 48 KB of dynamic shared memory fails on a GPU unless this attribute of that very
+// kernel (template instance) allows it; the emulator records the attribute per kernel pointer and
+// rejects such launches the same way.
+constexpr size_t kDefaultMaxDynamicSmem = 48 * 1024;
+namespace detail {
+struct FuncAttributes {
+  std::mutex mu;
+  std::unordered_map<const void*, size_t> max_dynamic_smem;
+};
+inline FuncAttributes& func_attributes() {
+  static FuncAttributes a;
+  return a;
+}
+inline size_t max_dynamic_smem_of(const void* kernel) {
+  FuncAttributes& a = func_attributes();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.max_dynamic_smem.find(kernel);
+  return it == a.max_dynamic_smem.end() ? kDefaultMaxDynamicSmem : it->second;
+}
+}  // namespace detail
+
+template <typename... KArgs>
+inline cudaError_t func_set_max_dynamic_smem(void (*kernel)(KArgs...), int bytes) {
+  if (bytes < 0 || size_t(bytes) > kMaxDynamicSmemPerBlock) return cudaErrorInvalidValue;
+  detail::FuncAttributes& a = detail::func_attributes();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = size_t(bytes);
+  return cudaSuccess;
+}
+// Forget every recorded attribute (tests).
+inline void reset_func_attributes() {
+  detail::FuncAttributes& a = detail::func_attributes();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.max_dynamic_smem.clear();
+}
+
 // kernel<<<grid, block, smem>>>(args...) on the CPU. Synchronous; throws cuda_emu::Error.
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
   detail::check_launch(grid, block, smem);
+  const size_t smem_cap = detail::max_dynamic_smem_of(reinterpret_cast<const void*>(kernel));
+  if (smem > smem_cap)
+    throw Error("cuda_emu: invalid launch (grid " + detail::dim_str(grid) + ", block " + detail::dim_str(block) +
+                "): " + std::to_string(smem) + " B of dynamic shared memory, over the kernel's " +
+                "cudaFuncAttributeMaxDynamicSharedMemorySize of " + std::to_string(smem_cap) +
+                " B (over 48 KB needs cudaFuncSetAttribute on this kernel first)");
+  const std::pair<detail::Schedule, uint64_t> sched = detail::current_schedule();
   using Tuple = std::tuple<std::decay_t<KArgs>...>;
   Tuple params(std::forward<Args>(args)...);
   struct Ctx {
@@ -460,6 +617,8 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&
     b.dyn_smem_bytes = smem;
     b.body = body;
     b.body_ctx = &ctx;
+    b.schedule = sched.first;
+    b.seed = sched.second;
     b.bidx = make_uint3(unsigned(i % grid.x), unsigned((i / grid.x) % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y)));
     detail::run_block(b);
     return b.error;
@@ -534,6 +693,132 @@ inline T* dynamic_smem(size_t count) {
   return reinterpret_cast<T*>(b.dyn_smem);
 }
 
+// ---- Alignment -----------------------------------------------------------------------------------
+// A GPU load or store is one instruction only for 1, 2, 4, 8 or 16 bytes at an address that is a
+// multiple of its size ("naturally aligned", CUDA C++ Programming Guide, device memory accesses);
+// the built-in vector types carry that alignment (float2/uint2: 8, float4/uint4/int4: 16,
+// __half2/__nv_bfloat162: 4). A misaligned vector access faults ("misaligned address"); x86 just
+// does it. The emulator checks every pointer a kernel makes with reinterpret_cast (see the end of
+// this header) against the alignment of the type pointed to, and every cp.async.
+namespace detail {
+inline std::string hex_address(const void* p) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)));
+  return buf;
+}
+[[noreturn]] inline void fail_anywhere(const std::string& what) {
+  Worker& w = worker();
+  if (w.block && w.cur) fail(what);  // inside a kernel: name block and thread
+  throw Error("cuda_emu: " + what);
+}
+inline void check_aligned(const void* p, size_t align, size_t size, const char* what) {
+  if (align > 1 && reinterpret_cast<uintptr_t>(p) % align)
+    fail_anywhere(std::string("misaligned address: ") + what + " of " + std::to_string(size) + " B at " +
+                  hex_address(p) + ", not a multiple of " + std::to_string(align) +
+                  " (a GPU faults with cudaErrorMisalignedAddress)");
+}
+template <class T, class = void>
+struct is_complete : std::false_type {};
+template <class T>
+struct is_complete<T, decltype(void(sizeof(T)))> : std::true_type {};
+
+// reinterpret_cast<To>(v), and when To is a pointer (or reference) to an object type, a check that
+// the result is aligned for that type.
+template <class To, class From>
+inline To strict_reinterpret_cast(From&& v) {
+  To r = reinterpret_cast<To>(v);
+  if constexpr (std::is_pointer<To>::value) {
+    using P = std::remove_cv_t<std::remove_pointer_t<To>>;
+    if constexpr (!std::is_void<P>::value && !std::is_function<P>::value && is_complete<P>::value)
+      check_aligned((const void*)(r), alignof(P), sizeof(P), "access through a reinterpret_cast pointer");
+  } else if constexpr (std::is_reference<To>::value) {
+    using P = std::remove_cv_t<std::remove_reference_t<To>>;
+    if constexpr (!std::is_function<P>::value && is_complete<P>::value)
+      check_aligned((const void*)(&r), alignof(P), sizeof(P), "access through a reinterpret_cast reference");
+  }
+  return r;
+}
+}  // namespace detail
+
+// ---- cp.async ------------------------------------------------------------------------------------
+// PTX ISA, cp.async: `cp.async.ca.shared.global [dst], [src], cp-size` with cp-size 4, 8 or 16, and
+// `cp.async.cg.shared.global [dst], [src], 16` (.cg takes only 16); both addresses aligned to the
+// size. The copy is asynchronous: the destination is undefined until a cp.async.wait_group /
+// wait_all of the issuing thread covers the copy's commit group. The emulator fills the
+// destination with 0xFF bytes (NaN) at issue and writes the data at that wait, so a read before
+// the wait (or by another thread before wait + barrier) sees NaN, not the data.
+inline void cp_async(void* dst, const void* src, int bytes, bool cg) {
+  using namespace detail;
+  const char* op = cg ? "cp.async.cg" : "cp.async.ca";
+  Worker& w = worker();
+  if (!w.block || !w.cur) throw Error(std::string("cuda_emu: ") + op + " outside a kernel");
+  if (bytes != 4 && bytes != 8 && bytes != 16)
+    fail(std::string(op) + " of " + std::to_string(bytes) + " B: cp-size must be 4, 8 or 16");
+  if (cg && bytes != 16) fail("cp.async.cg of " + std::to_string(bytes) + " B: .cg copies exactly 16 B");
+  check_aligned(src, size_t(bytes), size_t(bytes), (std::string(op) + " source").c_str());
+  check_aligned(dst, size_t(bytes), size_t(bytes), (std::string(op) + " destination").c_str());
+  Fiber& f = cur();
+  PendingCopy c;
+  c.dst = static_cast<char*>(dst);
+  c.bytes = bytes;
+  c.group = f.committed;
+  std::memcpy(c.data, src, size_t(bytes));
+  f.copies.push_back(c);
+  std::memset(dst, 0xff, size_t(bytes));
+}
+// A synchronous load + store of 1, 2, 4, 8 or 16 bytes (what a kernel does where cp.async cannot):
+// both addresses aligned to the size, as for any GPU access.
+inline void aligned_copy(void* dst, const void* src, int bytes) {
+  if (bytes != 1 && bytes != 2 && bytes != 4 && bytes != 8 && bytes != 16)
+    detail::fail_anywhere("copy of " + std::to_string(bytes) + " B: a GPU access is 1, 2, 4, 8 or 16 B");
+  detail::check_aligned(src, size_t(bytes), size_t(bytes), "load");
+  detail::check_aligned(dst, size_t(bytes), size_t(bytes), "store");
+  std::memcpy(dst, src, size_t(bytes));
+}
+// cp.async.commit_group: closes the thread's current group (an empty one too, as PTX says).
+inline void cp_async_commit_group() {
+  detail::Worker& w = detail::worker();
+  if (!w.block || !w.cur) throw Error("cuda_emu: cp.async.commit_group outside a kernel");
+  ++w.cur->committed;
+}
+// cp.async.wait_group n: every committed group but the n most recent is complete; copies not yet
+// committed stay in flight.
+inline void cp_async_wait_group(int n) {
+  detail::Worker& w = detail::worker();
+  if (!w.block || !w.cur) throw Error("cuda_emu: cp.async.wait_group outside a kernel");
+  if (n < 0) detail::fail("cp.async.wait_group with a negative count");
+  detail::Fiber& f = *w.cur;
+  const int limit = f.committed - n;  // groups [0, limit) must be complete
+  size_t keep = 0;
+  for (size_t i = 0; i < f.copies.size(); ++i) {
+    detail::PendingCopy& c = f.copies[i];
+    if (c.group < limit) {
+      std::memcpy(c.dst, c.data, size_t(c.bytes));
+    } else {
+      f.copies[keep++] = c;
+    }
+  }
+  f.copies.resize(keep);
+}
+// cp.async.wait_all: commit_group followed by wait_group 0.
+inline void cp_async_wait_all() {
+  cp_async_commit_group();
+  cp_async_wait_group(0);
+}
+
+// ---- __launch_bounds__ ---------------------------------------------------------------------------
+// A launch with more threads per block than the kernel's __launch_bounds__(max_threads) fails on a
+// GPU (CUDA C++ Programming Guide, launch bounds). The emulator drops the attribute itself (the
+// host compiler has no such thing); kernels state the bound again with PAGED_LAUNCH_BOUNDS_CHECK
+// (kernels/common.cuh) as their first statement, which lands here in every thread.
+inline void check_launch_bounds(unsigned max_threads) {
+  detail::BlockRun& b = detail::blk();
+  if (b.nthreads > max_threads)
+    throw Error("cuda_emu: invalid launch (block " + detail::dim_str(b.block) + "): " + std::to_string(b.nthreads) +
+                " threads per block, over the kernel's __launch_bounds__(" + std::to_string(max_threads) +
+                ") (cudaErrorLaunchOutOfResources on a GPU)");
+}
+
 }  // namespace cuda_emu
 
 // ---- The CUDA built-ins, as the kernels see them --------------------------------------------------
@@ -547,6 +832,12 @@ inline void __syncthreads() {
   using namespace cuda_emu::detail;
   BlockRun& b = blk();
   Fiber& f = cur();
+  // Committed cp.async groups may stay in flight across a barrier (double buffering: the next
+  // tile loads while this one is used), and stay NaN until their wait. Copies not even committed
+  // at a barrier are stricter than the hardware's rule but always a bug in these kernels: no
+  // wait_group can cover them before they are committed.
+  if (!f.copies.empty() && f.copies.back().group == f.committed)
+    fail("__syncthreads reached with cp.async copies not committed (cp.async.commit_group missing)");
   if (b.done > 0)
     fail("__syncthreads reached after " + std::to_string(b.done) +
          " thread(s) of the block exited (barrier not reached by every thread)");
@@ -676,3 +967,10 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
 inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// Every reinterpret_cast below this point (the kernels' headers come after this one) checks the
+// alignment of the pointer it makes (cuda_emu::detail::strict_reinterpret_cast). All the standard
+// headers the kernels use are included above, so no library code is compiled under this macro.
+#ifndef CUDA_EMU_NO_STRICT_CASTS
+#define reinterpret_cast ::cuda_emu::detail::strict_reinterpret_cast
+#endif

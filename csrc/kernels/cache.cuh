@@ -16,6 +16,7 @@ namespace cache {
 // slots are padding tokens and are skipped.
 template <typename T, typename C>
 __global__ void __launch_bounds__(256) reshape_and_cache_kernel(ReshapeCacheParams p, bool aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const int chunks = p.head_size / 8;
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     const int64_t slot = p.slot_mapping[t];
@@ -59,6 +60,7 @@ inline void launch_reshape_and_cache(const ReshapeCacheParams& p, Stream stream)
 template <typename T, typename F8>
 __global__ void __launch_bounds__(256) quantize_kernel(F8* out, const T* in, const float* scale, int64_t n,
                                                         bool aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const float s = *scale;
   const int64_t chunks = n / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -74,6 +76,7 @@ __global__ void __launch_bounds__(256) quantize_kernel(F8* out, const T* in, con
 template <typename T, typename F8>
 __global__ void __launch_bounds__(256) dequantize_kernel(T* out, const F8* in, const float* scale, int64_t n,
                                                           bool aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const float s = *scale;
   const int64_t chunks = n / 8;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -126,6 +129,7 @@ inline void launch_dequantize(const Fp8Params& p, Stream stream) {
 // are walked with a grid stride.
 __global__ void __launch_bounds__(256) copy_blocks_kernel(const CacheDesc* caches, const int64_t* mapping,
                                                           int64_t num_pairs) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const CacheDesc c = caches[blockIdx.y];
   char* base = reinterpret_cast<char*>(c.ptr);
   const int64_t eb = c.elem_bytes;

@@ -40,7 +40,11 @@ using namespace ::paged;  // the parameter structs and dtype codes of kernels/pa
     if ((bytes) > 48 * 1024) ::cuda_emu::func_set_max_dynamic_smem(kernel, int(bytes)); \
   } while (0)
 #define PAGED_CHECK_LAUNCH(what) ((void)0)
+// First statement of every kernel, restating its __launch_bounds__: the emulator rejects a launch
+// with more threads per block, as a GPU does (the host compiler drops the attribute itself).
+#define PAGED_LAUNCH_BOUNDS_CHECK(max_threads) ::cuda_emu::check_launch_bounds(max_threads)
 #else
+#define PAGED_LAUNCH_BOUNDS_CHECK(max_threads) ((void)0)
 // `stream` is a paged::Stream (void*): the CUDA stream of the launch.
 #define PAGED_LAUNCH(kernel, grid, block, smem, stream, ...) \
   kernel<<<grid, block, smem, static_cast<cudaStream_t>(stream)>>>(__VA_ARGS__)
@@ -286,7 +290,11 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8], bool aligned, 
 __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes) {
 #ifdef PAGED_EMU
   ::cuda_emu::note_load(src, bytes);
-  memcpy(dst, src, bytes);
+  // The same instruction per size as the sm_80 branch, with cp.async's alignment rules and its
+  // asynchrony (destination NaN until the covering wait): csrc/emu/cuda_emu.h.
+  if (bytes == 16) ::cuda_emu::cp_async(dst, src, 16, /*cg=*/true);
+  else if (bytes == 8 || bytes == 4) ::cuda_emu::cp_async(dst, src, bytes, /*cg=*/false);
+  else ::cuda_emu::aligned_copy(dst, src, bytes);
 #elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if (bytes == 16) {
@@ -310,14 +318,18 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes
 }
 // Closes the calling thread's current group of copy_async copies.
 __device__ __forceinline__ void cp_async_commit() {
-#if !defined(PAGED_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef PAGED_EMU
+  ::cuda_emu::cp_async_commit_group();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 // Waits until at most N of the calling thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
-#if !defined(PAGED_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#ifdef PAGED_EMU
+  ::cuda_emu::cp_async_wait_group(N);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }

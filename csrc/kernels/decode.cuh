@@ -194,6 +194,7 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
 template <typename T, typename KV, int TPT, int kGroupTile>
 __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                       float* tmp_out, float* tmp_ml, bool k_aligned, bool v_aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const int group = p.num_heads / p.num_kv_heads;  // <= kGroupTile: the whole group
   // Sequences on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
   const int kvh = blockIdx.y;
@@ -263,6 +264,7 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 template <typename T, typename KV>
 __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p, SharedKV sk, int partition_size,
                                                                 int num_partitions, float* tmp_out, float* tmp_ml) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const int group = p.num_heads / p.num_kv_heads;
   // (sequence, head chunk) on x, chunks adjacent: see the header comment.
   const int64_t seq = blockIdx.x / sk.n_hchunks;
@@ -363,6 +365,7 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                             const float* tmp_out, const float* tmp_ml) {
+  PAGED_LAUNCH_BOUNDS_CHECK(128);
   const int64_t seq = blockIdx.x;
   const int head = blockIdx.y;
   const int D = p.head_size;

@@ -44,6 +44,7 @@ constexpr int kMaxChunksPerThread = 32;  // head_size 256 / 8 threads per row
 template <typename T, typename KV>
 __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t row_tiles, int BN, bool k_aligned,
                                                        bool v_aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
   const int nt = blockDim.x;
   const int BM = nt / 8;
   const int64_t seq = blockIdx.x / row_tiles;
@@ -205,6 +206,7 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
 template <typename T, typename KV, int DMAX>
 __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int64_t row_tiles, bool k_aligned,
                                                           bool v_aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(128);
   constexpr int BM = kTcRows, BN = kTcKv;
   constexpr int NT_O = DMAX / 8, KS_MAX = DMAX / 16, NT_S = BN / 8;
   const int64_t seq = blockIdx.x / row_tiles;

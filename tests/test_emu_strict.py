@@ -1,0 +1,225 @@
+"""The strict CUDA emulator (csrc/emu/cuda_emu.h, issue #11 item 2): each rule a GPU enforces and
+x86 does not, checked against NVIDIA's documents (PTX ISA, CUDA C++ Programming Guide), and each
+shown to catch a kernel that breaks it (torch.ops.paged_cuda_emu_selftest.strict runs tiny rule-
+breaking kernels, csrc/cuda_emu/selftest.cpp).
+
+  * alignment: every pointer a kernel makes with reinterpret_cast is checked against the alignment
+    of the type it points to (uint4/float4/int4: 16, float2/uint2: 8, __half2/bf162/float: 4);
+    every cp.async has a size of 4, 8 or 16 (.cg: 16 only) and both addresses aligned to it;
+  * cp.async is asynchronous: the destination is NaN from issue until the wait_group / wait_all
+    that covers its commit group; a thread exiting with copies in flight, or reaching a barrier
+    with copies not committed, is an error;
+  * fiber order: the fibers of a block run in a seeded random order between synchronisation
+    points by default (CUDA_EMU_SCHEDULE / set_schedule: forward, reverse, random[:seed]), so a
+    missing __syncthreads changes results;
+  * a launch over 48 KB of dynamic shared memory without cudaFuncSetAttribute on that kernel, or
+    with more threads than its __launch_bounds__, is rejected;
+  * mma.m16n8k16: registers built from the PTX ISA's fragment formulas, not the kernels' loaders.
+"""
+from __future__ import annotations
+
+import math
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import paged_ops  # noqa: F401  (loads the extension)
+
+selftest = torch.ops.paged_cuda_emu_selftest
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def schedule():
+    """schedule("reverse") forces a fiber order for the following launches; reset afterwards."""
+    yield selftest.set_schedule
+    selftest.set_schedule("")
+
+
+# ---- alignment -----------------------------------------------------------------------------------
+MISALIGNED = ["uint4_load_off2", "float4_load_off4", "float2_load_off4", "int4_load_off8", "uint2_load_off4",
+              "half2_load_off2", "bf162_load_off2", "float_load_off2", "uint4_store_off8", "float2_store_off4"]
+
+
+@pytest.mark.parametrize("case", MISALIGNED)
+def test_misaligned_vector_access_raises(case):
+    with pytest.raises(RuntimeError, match="misaligned address"):
+        selftest.strict(case)
+
+
+def test_aligned_vector_accesses_pass():
+    selftest.strict("vectors_aligned")
+
+
+@pytest.mark.parametrize("case,message", [
+    ("cp_async_src_off1", "misaligned address: cp.async.cg source"),
+    ("cp_async_src_off8", "misaligned address: cp.async.cg source"),
+    ("cp_async_dst_off4", "misaligned address: cp.async.cg destination"),
+    ("cp_async_8_off4", "misaligned address: cp.async.ca source"),
+    ("cp_async_4_off2", "misaligned address: cp.async.ca source"),
+    ("cp_async_size_2", "cp-size must be 4, 8 or 16"),
+    ("cp_async_size_12", "cp-size must be 4, 8 or 16"),
+    ("cp_async_cg_8", r"\.cg copies exactly 16 B"),
+])
+def test_cp_async_rules(case, message):
+    with pytest.raises(RuntimeError, match=message):
+        selftest.strict(case)
+
+
+# ---- asynchronous cp.async -----------------------------------------------------------------------
+SRC = torch.arange(1024, dtype=torch.float32) + 0.25  # what selftest.strict's cp.async kernels copy
+THREADS = 32
+
+
+def test_cp_async_waited_copies_arrive():
+    out = selftest.strict("cp_async_ok")[: 4 * THREADS].view(THREADS, 4)
+    # thread t reads the row of thread t + 1 after wait_group 0 + __syncthreads
+    assert torch.equal(out, SRC[: 4 * THREADS].view(THREADS, 4).roll(-1, 0))
+    selftest.strict("cp_async_ca_sizes_ok")
+
+
+def test_cp_async_read_before_wait_sees_nan():
+    out = selftest.strict("cp_async_no_wait")[: 4 * THREADS]
+    assert torch.isnan(out).all()
+
+
+def test_cp_async_wait_group_leaves_most_recent_groups_pending():
+    out = selftest.strict("cp_async_wait_too_loose")[: 8 * THREADS]
+    assert torch.equal(out[: 4 * THREADS], SRC[: 4 * THREADS])  # the older group: complete
+    assert torch.isnan(out[4 * THREADS:]).all()                  # the most recent: still in flight
+
+
+def test_cp_async_committed_group_may_cross_a_barrier():
+    # Double buffering keeps the next tile in flight across __syncthreads; legal, data after the wait.
+    out = selftest.strict("cp_async_pipelined")[: 4 * THREADS].view(THREADS, 4)
+    assert torch.equal(out, SRC[: 4 * THREADS].view(THREADS, 4).roll(-1, 0))
+
+
+def test_cp_async_wait_all_commits_first():
+    out = selftest.strict("cp_async_wait_all")[: 4 * THREADS]
+    assert torch.equal(out, SRC[: 4 * THREADS])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("cp_async_exit_pending", "exited with .* cp.async copies it never waited for"),
+    ("cp_async_barrier_uncommitted", "__syncthreads reached with cp.async copies not committed"),
+])
+def test_cp_async_unwaited_copies_raise(case, message):
+    with pytest.raises(RuntimeError, match=message):
+        selftest.strict(case)
+
+
+# ---- fiber order ---------------------------------------------------------------------------------
+EXPECTED_SUM = 128 * 129 / 2  # sum_last_kernel: 1 + ... + 128 per block
+
+
+def test_missing_barrier_hidden_in_program_order(schedule):
+    # The old emulator's blind spot: in program order the last thread runs after every write.
+    schedule("forward")
+    assert (selftest.strict("missing_barrier")[:8] == EXPECTED_SUM).all()
+
+
+@pytest.mark.parametrize("mode", ["reverse", "random", "random:1", "random:2", "random:12345"])
+def test_missing_barrier_caught_out_of_order(schedule, mode):
+    schedule(mode)
+    sums = selftest.strict("missing_barrier")[:8]
+    assert not (sums == EXPECTED_SUM).all(), f"{mode}: a missing __syncthreads went unnoticed"
+    assert (selftest.strict("with_barrier")[:8] == EXPECTED_SUM).all()
+
+
+def test_schedule_from_environment():
+    # The default (random, seed 0) and CUDA_EMU_SCHEDULE, read at every launch.
+    code = ("import torch, paged_ops; s = torch.ops.paged_cuda_emu_selftest; "
+            "print(bool((s.strict('missing_barrier')[:8] == 8256).all()))")
+    run = lambda env: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,  # noqa: E731
+                                     env={**os.environ, **env}, check=True).stdout.split()[-1]
+    assert run({"CUDA_EMU_SCHEDULE": "forward"}) == "True"
+    assert run({"CUDA_EMU_SCHEDULE": "reverse"}) == "False"
+    assert run({"CUDA_EMU_SCHEDULE": ""}) == "False"  # default: random
+
+
+def test_bad_schedule_name_raises(schedule):
+    with pytest.raises(RuntimeError, match="not forward, reverse or random"):
+        schedule("sideways")
+
+
+# The real kernels in reverse and in other random orders than the suite's default (random:0):
+# one case of each kernel family and barrier structure (one-pass / split-KV / shared-KV decode with
+# cp.async double buffering, CUDA-core and tensor-core prefill, cache kernels).
+KERNEL_SUBSET = ("test_decode_split_kv or test_decode_large_group_configs or test_prefill_launch_configs "
+                 "or test_decode_one_pass_forced or test_prefill_fp8 or test_reshape_and_cache_strided_key "
+                 "or test_copy_blocks or test_quantize_dequantize or test_emu_mma_matches_matmul")
+
+
+@pytest.mark.parametrize("mode", ["reverse", "random:7"])
+def test_kernels_pass_in_other_fiber_orders(mode):
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                          "tests/test_cuda_emu.py", "-k", KERNEL_SUBSET],
+                         cwd=ROOT, capture_output=True, text=True, env={**os.environ, "CUDA_EMU_SCHEDULE": mode})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert re.search(r"\d+ passed", res.stdout), res.stdout[-2000:]
+
+
+# ---- dynamic shared memory opt-in, launch bounds -------------------------------------------------
+def test_dynamic_smem_over_48k_needs_the_kernels_opt_in():
+    selftest.strict("smem_48k_no_optin")  # the default limit: 48 KB
+    selftest.strict("smem_64k_optin")
+    for case in ("smem_64k_no_optin", "smem_64k_optin_other_kernel", "smem_64k_optin_too_small"):
+        with pytest.raises(RuntimeError, match="cudaFuncAttributeMaxDynamicSharedMemorySize"):
+            selftest.strict(case)
+    selftest.strict("smem_optin_over_limit")  # cudaFuncSetAttribute itself refuses > 227 KB
+
+
+def test_launch_over_launch_bounds_raises():
+    selftest.strict("bounds_ok")
+    with pytest.raises(RuntimeError, match=r"over the kernel's __launch_bounds__\(64\)"):
+        selftest.strict("bounds_over")
+
+
+def test_every_kernel_restates_its_launch_bounds():
+    # The emulator sees __launch_bounds__ only through PAGED_LAUNCH_BOUNDS_CHECK(n), the first
+    # statement of each kernel; it must be there and carry the same n.
+    kernels = 0
+    for path in sorted((ROOT / "csrc" / "kernels").glob("*.cuh")):
+        src = path.read_text()
+        for m in re.finditer(r"__global__\s+void\s+__launch_bounds__\(([^)]*)\)\s+(\w+)\s*\(", src):
+            kernels += 1
+            body = src[src.index("{", m.end()) + 1:]
+            first = body.strip().split(";", 1)[0]
+            assert first == f"PAGED_LAUNCH_BOUNDS_CHECK({m.group(1)})", (path.name, m.group(2), first)
+        unbounded = re.findall(r"__global__\s+void\s+(?!__launch_bounds__)(\w+)\s*\(", src)
+        assert not unbounded, f"{path.name}: kernels without __launch_bounds__: {unbounded}"
+    assert kernels >= 9
+
+
+# ---- mma.m16n8k16 against the PTX ISA fragment formulas --------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_mma_ptx_fragments(dtype):
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(16, 16, generator=g).to(dtype)
+    b = torch.randn(16, 8, generator=g).to(dtype)
+    d, regs = selftest.mma_ptx(a, b, 0)
+    ref = a.double() @ b.double()
+    # fp32 accumulation of 16 exact products: far inside 1e-5 relative
+    assert (d.double() - ref).norm() <= 1e-6 * ref.norm()
+    # the kernels' loaders (A; B from [k][n] and from [n][k]) give the ISA's registers, bit for bit
+    assert torch.equal(regs[:, 1], regs[:, 0]), "load_a_frag / load_b_frag_kn differ from the PTX ISA layout"
+    assert torch.equal(regs[:, 2], regs[:, 0]), "load_a_frag / load_b_frag_nk differ from the PTX ISA layout"
+
+
+@pytest.mark.parametrize("mutation", [1, 2])
+def test_mma_ptx_check_catches_a_wrong_layout(mutation):
+    # The same comparison with the ISA side broken on purpose (A rows / B k-halves swapped) fails.
+    g = torch.Generator().manual_seed(4)
+    a = torch.randn(16, 16, generator=g).half()
+    b = torch.randn(16, 8, generator=g).half()
+    d, regs = selftest.mma_ptx(a, b, mutation)
+    ref = a.double() @ b.double()
+    assert (d.double() - ref).norm() > 0.1 * ref.norm()
+    assert not torch.equal(regs[:, 1], regs[:, 0])
+    assert math.isfinite(float(d.sum()))
