@@ -6,8 +6,8 @@ input sets — builds its batches here, so "a random paged batch" and "close eno
 thing everywhere:
 
 - ``make_case`` builds a batch of sequences whose first ``seq_lens[s]`` tokens are cached
-  (written through the reference ``reshape_and_cache``, so fp8 caches hold exactly the bits the
-  contract says). Blocks are handed out in random order; the spare blocks no table reaches and
+  (stored as the reference ``reshape_and_cache`` stores them, so fp8 caches hold exactly the
+  bits the contract says). Blocks are handed out in random order; the spare blocks no table reaches and
   the slots past each sequence's length hold NaN, and block-table entries past a sequence's
   length hold garbage ids (negative, past the cache, 2^30): a kernel that reads any of them
   fails the budget with NaN or faults.
@@ -217,6 +217,15 @@ class PagedCase:
         return ref
 
 
+def _store(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> None:
+    """reference.reshape_and_cache's stores for every token at once (its per-token loop is the
+    readable specification; this is the same casts, vectorized)."""
+    # x: [num_tokens, num_kv_heads, head_size]; slots: int64 [num_tokens], all >= 0
+    if cache.dtype in FP8_DTYPES:
+        x = reference.saturating_fp8_cast(x, scale.reshape(-1, 1), cache.dtype)
+    cache[slots // cache.shape[1], slots % cache.shape[1]] = x.to(cache.dtype)
+
+
 def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_heads=4, num_kv_heads=2,
               head_size=64, block_size=16, dtype=torch.float32, cache_dtype=None, layout="NHD",
               scale_kind="tensor", spare_blocks=3, device="cpu", seed=0, poison_unused=True,
@@ -270,7 +279,8 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
         slots = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
         k = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
         v = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
-        reference.reshape_and_cache(k, v, kc, vc, slots, k_scale, v_scale)
+        _store(k, kc, slots, k_scale)
+        _store(v, vc, slots, v_scale)
         kc, vc = kc.to(device), vc.to(device)
     else:
         shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"

@@ -1,60 +1,21 @@
-"""The cpu backend against the float64 reference over the contract's full grid."""
+"""What is specific to the cpu backend: the split-KV path its thread scheduling takes, and bit
+probes of its vectorized (AVX2/F16C) fp8 code. The op contract over the full grid runs in
+tests/test_ops.py."""
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import paged_ops
 from paged_ops import reference
-from tests.helpers import FP8, assert_close, empty_cache, make_case, nan_like, poison
+from paged_ops.testing import FP8_DTYPES as FP8
+from paged_ops.testing import assert_close, empty_cache, make_case, nan_like, poison
 
-BLOCK_SIZES = (1, 3, 8, 16, 32, 64, 256)
-GROUPS = (1, 2, 4, 7, 8)
-HEAD_SIZES = (64, 80, 96, 128, 256)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 cpu = paged_ops.backend("cpu")
-
-
-def ragged_lens(block_size: int) -> list[int]:
-    # 1 token, exact block boundaries, one past a boundary, and a longer ragged one
-    return [1, block_size, 2 * block_size + 1, 3 * block_size - 1, 37]
-
-
-def check_decode(case, ops=cpu):
-    out = nan_like(case.query)
-    ops.decode_attention(*case.decode_args(out))
-    assert_close(out, case.reference_prefill(), case.dtype)
-
-
-def check_prefill(case, causal=True, ops=cpu):
-    out = nan_like(case.query)
-    ops.prefill_attention(*case.prefill_args(out, causal))
-    assert_close(out, case.reference_prefill(causal), case.dtype)
-
-
-# Every block size with every group and dtype; head sizes and layouts rotate through them.
-DECODE_GRID = [(bs, g, dt, HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2])
-               for i, (bs, g, dt) in enumerate(itertools.product(BLOCK_SIZES, GROUPS, DTYPES))]
-
-
-@pytest.mark.parametrize("block_size,group,dtype,head_size,layout", DECODE_GRID)
-def test_decode(block_size, group, dtype, head_size, layout):
-    case = make_case(ragged_lens(block_size), num_heads=2 * group, num_kv_heads=2, head_size=head_size,
-                     block_size=block_size, dtype=dtype, layout=layout, seed=block_size * 100 + group)
-    check_decode(case)
-
-
-@pytest.mark.parametrize("head_size,dtype,layout", list(itertools.product(HEAD_SIZES, DTYPES, ("NHD", "HND"))))
-def test_decode_head_sizes(head_size, dtype, layout):
-    case = make_case([5, 16, 33], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16,
-                     dtype=dtype, layout=layout, seed=head_size)
-    check_decode(case)
 
 
 @pytest.mark.parametrize("num_seqs,seq_len,dtype", [(1, 3000, torch.float32), (1, 2500, torch.bfloat16),
@@ -65,110 +26,12 @@ def test_decode_split_path(num_seqs, seq_len, dtype):
     assert torch.get_num_threads() > 1, "the split path needs more than one thread"
     case = make_case([seq_len - i * 7 for i in range(num_seqs)], num_heads=8, num_kv_heads=1, head_size=128,
                      block_size=16, dtype=dtype)
-    check_decode(case)
+    out = nan_like(case.query)
+    cpu.decode_attention(*case.decode_args(out))
+    assert_close(out, case.reference_decode(), case.dtype)
 
 
-PREFILL_GRID = [(bs, g, dt, HEAD_SIZES[i % 5], ("NHD", "HND")[(i // 3) % 2])
-                for i, (bs, g, dt) in enumerate(itertools.product((1, 3, 16, 64, 256), (1, 4, 7), DTYPES))]
-
-
-@pytest.mark.parametrize("block_size,group,dtype,head_size,layout", PREFILL_GRID)
-def test_prefill_chunked_and_mixed(block_size, group, dtype, head_size, layout):
-    # Fresh prefill (q_len == seq_len), chunked prefill over cached context, and decode rows
-    # (q_len == 1) in one varlen batch.
-    seq_lens, q_lens = [40, 70, 9, 1, 2 * block_size], [40, 23, 1, 1, block_size]
-    case = make_case(seq_lens, q_lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
-                     block_size=block_size, dtype=dtype, layout=layout, seed=block_size + group)
-    check_prefill(case)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_prefill_non_causal(dtype):
-    case = make_case([50, 17], [20, 17], num_heads=8, num_kv_heads=2, head_size=96, block_size=8, dtype=dtype)
-    check_prefill(case, causal=False)
-
-
-def test_prefill_long_context_split():
-    case = make_case([2600], [3], num_heads=8, num_kv_heads=1, head_size=128, block_size=32)
-    check_prefill(case)
-
-
-@pytest.mark.parametrize("cache_dtype,scale_kind,dtype,block_size",
-                         [(torch.float8_e4m3fn, "tensor", torch.bfloat16, 16),
-                          (torch.float8_e4m3fn, "head", torch.float16, 3),
-                          (torch.float8_e5m2, "tensor", torch.float32, 1),
-                          (torch.float8_e5m2, "head", torch.bfloat16, 64)])
-def test_attention_fp8_cache(cache_dtype, scale_kind, dtype, block_size):
-    # The reference dequantizes the same fp8 cache, so only the kernel's own arithmetic counts.
-    for q_lens, seq_lens in (([1, 1, 1], [1, 17, 80]), ([5, 1, 30], [5, 17, 80])):
-        case = make_case(seq_lens, q_lens, num_heads=8, num_kv_heads=4, head_size=128, block_size=block_size,
-                         dtype=dtype, cache_dtype=cache_dtype, scale_kind=scale_kind)
-        check_prefill(case)
-    check_decode(make_case([1, 17, 80], num_heads=8, num_kv_heads=4, head_size=64, block_size=block_size,
-                           dtype=dtype, cache_dtype=cache_dtype, scale_kind=scale_kind))
-
-
-@settings(max_examples=25, deadline=None)
-@given(st.data())
-def test_prefill_fuzzed_shapes(data):
-    num_kv_heads = data.draw(st.integers(1, 3))
-    group = data.draw(st.sampled_from(GROUPS))
-    block_size = data.draw(st.sampled_from(BLOCK_SIZES[:5]))
-    seq_lens = data.draw(st.lists(st.integers(1, 90), min_size=1, max_size=4))
-    q_lens = [data.draw(st.integers(0, n)) for n in seq_lens]
-    if sum(q_lens) == 0:
-        q_lens[0] = 1
-    case = make_case(seq_lens, q_lens, num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads,
-                     head_size=data.draw(st.sampled_from(HEAD_SIZES)), block_size=block_size,
-                     dtype=data.draw(st.sampled_from(DTYPES)), layout=data.draw(st.sampled_from(("NHD", "HND"))))
-    check_prefill(case, causal=data.draw(st.booleans()))
-
-
-# --- reshape_and_cache and fp8 -----------------------------------------------------------
-
-
-@pytest.mark.parametrize("cache_dtype,scale_kind,dtype,layout",
-                         [(None, None, torch.float32, "NHD"), (None, None, torch.bfloat16, "HND"),
-                          (None, None, torch.float16, "NHD"),
-                          (torch.float8_e4m3fn, "tensor", torch.bfloat16, "NHD"),
-                          (torch.float8_e4m3fn, "head", torch.float32, "HND"),
-                          (torch.float8_e5m2, "tensor", torch.float16, "HND"),
-                          (torch.float8_e5m2, "head", torch.bfloat16, "NHD")])
-@pytest.mark.parametrize("block_size", (1, 3, 16))
-def test_reshape_and_cache(cache_dtype, scale_kind, dtype, layout, block_size):
-    cache_dtype = cache_dtype or dtype
-    num_blocks, kvh, d, tokens = 24, 4, 80, 20
-    key = torch.randn(tokens, kvh, d).to(dtype) * 40  # large enough that fp8 e4m3 saturates
-    value = torch.randn(tokens, kvh, d).to(dtype)
-    slots = torch.randperm(num_blocks * block_size)[:tokens]
-    slots[3] = -1  # padding token: skipped
-    k_scale = v_scale = None
-    if cache_dtype in FP8:
-        n = 1 if scale_kind == "tensor" else kvh
-        k_scale, v_scale = torch.rand(n) * 0.1 + 0.02, torch.rand(n) * 0.1 + 0.02
-    got = [empty_cache(num_blocks, block_size, kvh, d, cache_dtype, layout) for _ in range(2)]
-    want = [empty_cache(num_blocks, block_size, kvh, d, cache_dtype, layout) for _ in range(2)]
-    cpu.reshape_and_cache(key, value, *got, slots, k_scale, v_scale)
-    reference.reshape_and_cache(key, value, *want, slots, k_scale, v_scale)
-    for g, w in zip(got, want):  # bit-identical, untouched slots still poisoned
-        assert torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))
-
-
-@pytest.mark.parametrize("fp8_dtype", FP8)
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_quantize_dequantize_fp8_bit_identical(fp8_dtype, dtype):
-    x = (torch.randn(3, 1000) * 300).to(dtype)
-    x[0, :4] = torch.tensor([1e9, -1e9, 0.0, float("nan")]).to(dtype)  # saturation both ways, zero, NaN
-    scale = torch.tensor([0.37])
-    q, q_ref = poison(torch.empty_like(x, dtype=fp8_dtype)), poison(torch.empty_like(x, dtype=fp8_dtype))
-    cpu.quantize_fp8(q, x, scale)
-    reference.quantize_fp8(q_ref, x, scale)
-    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-    assert torch.isfinite(q[0, :3].float()).all(), "saturating cast must keep outliers finite"
-    y, y_ref = nan_like(x), nan_like(x)
-    cpu.dequantize_fp8(y, q, scale)
-    reference.dequantize_fp8(y_ref, q, scale)
-    torch.testing.assert_close(y, y_ref, rtol=0, atol=0, equal_nan=True)  # NaN payloads may differ
+# --- fp8 bit probes -------------------------------------------------------------------
 
 
 # The fp8 quantization is vectorized (AVX2, 8 or 32 lanes, scalar tail): every input below goes
@@ -292,36 +155,6 @@ def test_reshape_and_cache_fp8_every_input(fp8_dtype, dtype):
     reference.reshape_and_cache(x, value, *want, slots, k_scale, v_scale)
     for g, w in zip(got, want):
         assert_same_bytes(g.view(torch.uint8), w.view(torch.uint8), g)
-
-
-# --- copy_blocks / swap_blocks ----------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype,layout", [(torch.float32, "NHD"), (torch.bfloat16, "HND"),
-                                          (torch.float8_e4m3fn, "NHD")])
-def test_copy_blocks_all_layers(dtype, layout):
-    layers = [[empty_cache(10, 4, 2, 16, dtype, layout) for _ in range(2)] for _ in range(3)]
-    for k, v in layers:
-        k.copy_(torch.randn(k.shape).to(dtype))
-        v.copy_(torch.randn(v.shape).to(dtype))
-    mapping = torch.tensor([[0, 5], [3, 7], [0, 9]])
-    got = [[c.clone() for c in layer] for layer in layers]
-    cpu.copy_blocks([k for k, _ in got], [v for _, v in got], mapping)
-    reference.copy_blocks([k for k, _ in layers], [v for _, v in layers], mapping)
-    for g, w in zip(itertools.chain(*got), itertools.chain(*layers)):
-        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
-
-
-@pytest.mark.parametrize("dtype", (torch.float16, torch.float8_e5m2))
-def test_swap_blocks_round_trip(dtype):
-    gpu_like = torch.randn(8, 16, 2, 32).to(dtype)
-    host = poison(torch.empty(4, 16, 2, 32, dtype=dtype))
-    cpu.swap_blocks(gpu_like, host, torch.tensor([[6, 0], [2, 3]]))
-    back = poison(torch.empty_like(gpu_like))
-    cpu.swap_blocks(host, back, torch.tensor([[0, 1], [3, 5]]))
-    assert torch.equal(back[1].view(torch.uint8), gpu_like[6].view(torch.uint8))
-    assert torch.equal(back[5].view(torch.uint8), gpu_like[2].view(torch.uint8))
-    assert torch.isnan(host[1].float()).all(), "a block outside the mapping was written"
 
 
 @pytest.mark.parametrize("fp8_dtype", FP8)

@@ -1,0 +1,593 @@
+"""The op contract, once for every backend: each op x each of ``paged_ops.available_backends()``
+against ``paged_ops.reference`` in float64 (GPU backends on CUDA tensors when a GPU is present;
+Triton under the interpreter on CPU tensors otherwise).
+
+Inputs come from ``paged_ops.testing``: fresh random batches whose output rows, unused cache
+slots and blocks hold NaN and whose block tables hold garbage ids past each sequence's length,
+so a kernel that reads or skips anything it should not fails the budget.
+
+Each backend runs the grid its speed allows (``TIER``): native kernels (cpu, and cuda / triton
+on a GPU) the full grid; the CUDA emulator (every GPU thread a fiber) a pairwise cover of the
+same axes; the Triton interpreter (numpy) a smaller hand-picked cover. Every case of the
+interpreter's grid runs on every backend, and the full grid holds every axis value of the
+pairwise one. What is specific to one backend (forced split paths and launch
+configurations, tuners, the emulator's self-tests, fp8 bit probes of vectorized code) stays
+in that backend's file.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import paged_ops
+from paged_ops import reference
+from paged_ops.testing import (FP8_DTYPES, assert_bits_equal, assert_close, bits, empty_cache, make_case,
+                               nan_like, poison, ragged_lens)
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+DTYPES = (F32, F16, BF16)
+HEAD_SIZES = (64, 80, 96, 128, 256)
+GROUPS = (1, 2, 4, 7, 8)
+
+BACKENDS = paged_ops.available_backends()
+
+
+def device_of(name: str) -> str:
+    """CUDA tensors for a backend that runs them when a GPU is present, else CPU tensors."""
+    return "cuda" if torch.cuda.is_available() and "cuda" in paged_ops.backend(name).devices else "cpu"
+
+
+def tier(name: str) -> str:
+    if name == "cuda_emu":
+        return "pairwise"
+    if name == "triton" and device_of(name) == "cpu":
+        return "interp"
+    return "full"
+
+
+TIER = {name: tier(name) for name in BACKENDS}
+TIERS = ("interp", "pairwise", "full")
+
+
+@pytest.fixture(autouse=True)
+def _untuned_configs(monkeypatch, tmp_path):
+    # On a GPU every new shape would otherwise be tuned over all candidates, and a user's stored
+    # configs would leak in: the contract is checked with the default configs.
+    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# attention cases
+
+@dataclass(frozen=True)
+class Attn:
+    """One attention batch: q_lens None = decode (one query per sequence)."""
+
+    seq_lens: tuple
+    q_lens: tuple | None = None
+    group: int = 1
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 16
+    dtype: torch.dtype = F32
+    cache_dtype: torch.dtype | None = None
+    layout: str = "NHD"
+    scale_kind: str = "tensor"
+    causal: bool = True
+    seed: int = 0
+
+    def build(self, device: str, extra_lens: tuple = ()):
+        seq_lens = list(self.seq_lens) + list(extra_lens)
+        q_lens = None if self.q_lens is None else list(self.q_lens) + [1] * len(extra_lens)
+        return make_case(seq_lens, q_lens, num_heads=self.group * self.num_kv_heads, num_kv_heads=self.num_kv_heads,
+                         head_size=self.head_size, block_size=self.block_size, dtype=self.dtype,
+                         cache_dtype=self.cache_dtype, layout=self.layout, scale_kind=self.scale_kind,
+                         device=device, seed=self.seed)
+
+    @property
+    def id(self) -> str:
+        cd = "" if self.cache_dtype in (None, self.dtype) else f"-{str(self.cache_dtype)[6:]}-{self.scale_kind}"
+        q = "" if self.q_lens is None else f"-q{list(self.q_lens)}"
+        causal = "" if self.causal else "-noncausal"
+        return (f"bs{self.block_size}-g{self.group}x{self.num_kv_heads}-d{self.head_size}-{str(self.dtype)[6:]}{cd}"
+                f"-{self.layout}-L{list(self.seq_lens)}{q}{causal}".replace(" ", ""))
+
+
+def _rotate(seq, i):
+    return seq[i % len(seq)]
+
+
+# -- decode --
+# Triton's interpreter cover: block size x group x head size x dtype x layout x fp8 format/scale.
+DECODE_INTERP = [Attn(tuple(lens), None, g, kvh, d, bs, dt, cd, lay, sk or "tensor")
+                 for dt, cd, bs, kvh, g, d, lay, lens, sk in [
+                     (F32, F32, 16, 2, 1, 64, "NHD", [1, 16, 33], None),
+                     (F16, F16, 1, 1, 2, 80, "HND", [1, 5, 9], None),
+                     (BF16, BF16, 3, 2, 4, 96, "NHD", [3, 7, 20], None),
+                     (F32, F32, 256, 1, 7, 128, "HND", [1, 256, 300], None),
+                     (F16, F16, 16, 1, 8, 256, "NHD", [32, 17], None),
+                     (BF16, BF16, 16, 2, 1, 128, "HND", [48, 2], None),
+                     (F32, F32, 3, 4, 2, 256, "NHD", [6, 13, 1, 30], None),
+                     (F16, F16, 16, 2, 7, 96, "HND", [16, 64, 5], None),
+                     (F16, E4M3, 16, 2, 2, 64, "NHD", [20, 33], "tensor"),
+                     (BF16, E5M2, 3, 2, 4, 80, "HND", [9, 1, 24], "head"),
+                     (F32, E4M3, 1, 1, 7, 96, "NHD", [7, 12], "head"),
+                     (F16, E5M2, 256, 2, 8, 128, "NHD", [256, 100], "tensor"),
+                     (BF16, E4M3, 16, 1, 2, 256, "HND", [40, 3], "head"),
+                     (F32, E5M2, 16, 2, 1, 80, "HND", [33], "tensor"),
+                     (F16, F16, 3, 2, 2, 8, "NHD", [4, 20], None),  # head 8: below tensor-core tile widths
+                     (BF16, E4M3, 1, 1, 4, 16, "HND", [3, 2], "tensor"),
+                 ]]
+
+# The emulator's pairwise cover: every block size x group, dtype / head size / layout rotating
+# (the full grid below covers each of these combinations with more lengths).
+DECODE_PAIRWISE_CORE = (
+    [Attn(tuple(ragged_lens(bs)[:3] + [37] if bs < 256 else [1, 256, 300]), None, g, 2, _rotate(HEAD_SIZES, i), bs,
+          _rotate(DTYPES, i), layout=_rotate(("NHD", "HND"), i), seed=bs * 100 + g)
+     for i, (bs, g) in enumerate(itertools.product((1, 3, 16, 256), GROUPS))]
+    + [Attn((5, 16, 33), None, 4, 2, d, 16, dt, layout=("NHD", "HND")[d % 3 == 0], seed=d)
+       for d, dt in itertools.product(HEAD_SIZES, DTYPES)]
+)
+# Axis values the full grid does not reach otherwise, run by the emulator too.
+DECODE_WIDE = (
+    # head sizes off the common ones: any multiple of 8 up to 256
+    [Attn((7, 20), None, 4, 1, d, 8, F32, seed=d) for d in (8, 24, 136, 200)]
+    # fp8 caches: both formats x per-tensor / per-head scales
+    + [Attn((1, 16, 37), None, _rotate(GROUPS, i), 2, 128, 16, _rotate(DTYPES, i), cd, _rotate(("NHD", "HND"), i), sk,
+            seed=_rotate(GROUPS, i))
+       for i, (cd, sk) in enumerate(itertools.product(FP8_DTYPES, ("tensor", "head")))]
+    # groups > 8 (the CUDA kernels' shared-KV path, heads in chunks of 64): lengths around 64-token chunks
+    + [Attn(tuple([1, 256, 300] if bs == 256 else [1, bs, 2 * bs + 1, 65, 130]), None, g, kvh, d, bs, dt, layout=lay,
+            seed=g + d)
+       for g, kvh, d, dt, lay, bs in [
+           (12, 2, 128, BF16, "NHD", 16), (16, 2, 64, F32, "HND", 3), (16, 1, 256, F16, "NHD", 1),
+           (24, 1, 96, F32, "NHD", 16), (32, 2, 80, F16, "HND", 16), (32, 1, 128, BF16, "NHD", 256),
+           (64, 1, 128, F32, "HND", 16), (64, 2, 256, BF16, "NHD", 7), (72, 1, 64, F32, "NHD", 16),
+           (80, 1, 64, F16, "HND", 16), (96, 1, 128, BF16, "NHD", 5)]]
+    + [Attn((1, 16, 33, 100), None, g, 2, d, 16, dt, cd, ("NHD", "HND")[g % 3 == 0], sk, seed=g)
+       for g, cd, sk, d, dt in [(16, E4M3, "tensor", 128, BF16), (32, E5M2, "head", 64, F16),
+                                (64, E4M3, "head", 256, F32), (20, E5M2, "tensor", 24, F16)]]
+)
+
+# The full grid: every block size x group x dtype, head sizes and layouts rotating through them.
+DECODE_FULL = (
+    [Attn(tuple(ragged_lens(bs)), None, g, 2, _rotate(HEAD_SIZES, i), bs, dt, layout=_rotate(("NHD", "HND"), i),
+          seed=bs * 100 + g)
+     for i, (bs, g, dt) in enumerate(itertools.product((1, 3, 8, 16, 32, 64, 256), GROUPS, DTYPES))]
+    + [Attn((5, 16, 33), None, 4, 2, d, 16, dt, layout=lay, seed=d)
+       for d, dt, lay in itertools.product(HEAD_SIZES, DTYPES, ("NHD", "HND"))]
+    + [Attn((1, 17, 80), None, 2, 4, 64, bs, dt, cd, scale_kind=sk)
+       for cd, sk, dt, bs in [(E4M3, "tensor", BF16, 16), (E4M3, "head", F16, 3), (E5M2, "tensor", F32, 1),
+                              (E5M2, "head", BF16, 64)]]
+)
+
+# -- prefill: fresh prompts (q_len = seq_len), chunked prefill over cached context, decode rows
+# (q_len = 1) and sequences with nothing to compute (q_len = 0), in one varlen batch --
+PREFILL_INTERP = [Attn(tuple(lens), tuple(q), g, kvh, d, bs, dt, cd, lay, sk or "tensor", causal, seed=1)
+                  for dt, cd, bs, kvh, g, d, lay, lens, q, causal, sk in [
+                      (F32, F32, 16, 2, 1, 64, "NHD", [16, 40, 5], [16, 40, 5], True, None),
+                      (F16, F16, 1, 1, 2, 80, "HND", [9, 30], [9, 12], True, None),
+                      (BF16, BF16, 3, 2, 4, 96, "NHD", [20, 7, 33], [1, 7, 20], True, None),
+                      (F32, F32, 256, 1, 7, 128, "HND", [256, 300, 3], [256, 1, 2], True, None),
+                      (F16, F16, 16, 1, 8, 256, "NHD", [32, 17], [32, 17], False, None),
+                      (BF16, BF16, 16, 2, 1, 128, "HND", [48, 9], [20, 0], False, None),
+                      (F32, F32, 3, 4, 2, 256, "NHD", [6, 13, 1], [6, 1, 1], True, None),
+                      (F16, F16, 16, 2, 7, 96, "HND", [64, 5], [33, 5], True, None),
+                      (F16, E4M3, 16, 2, 2, 64, "NHD", [20, 33], [20, 1], True, "tensor"),
+                      (BF16, E5M2, 3, 2, 4, 80, "HND", [9, 24], [9, 10], True, "head"),
+                      (F32, E4M3, 1, 1, 7, 96, "NHD", [12, 7], [5, 7], False, "head"),
+                      (F16, E5M2, 256, 2, 8, 128, "NHD", [256, 100], [40, 1], True, "tensor"),
+                      (BF16, E4M3, 16, 1, 2, 256, "HND", [40, 3], [40, 3], True, "head"),
+                      (F32, F32, 1, 2, 1, 8, "HND", [7, 20], [7, 4], True, None),
+                      (F16, E5M2, 3, 1, 7, 16, "NHD", [10, 1], [10, 1], False, "head"),
+                      # many sequences, empty and 1-token queries among them
+                      (F16, F16, 3, 2, 2, 64, "NHD", [9, 4, 30, 1, 17, 8, 40], [9, 0, 1, 1, 17, 3, 0], True, None),
+                  ]]
+
+PREFILL_PAIRWISE = (
+    [Attn((1, 2 * bs, 21, 9, 6), (1, bs, 5, 9, 0), g, 2, _rotate(HEAD_SIZES, i), bs, _rotate(DTYPES, i),
+          layout=_rotate(("NHD", "HND"), i), causal=bool(i % 4), seed=bs * 10 + g)
+     for i, (bs, g) in enumerate(itertools.product((1, 3, 16), GROUPS))]
+    + [Attn((5, 20), (5, 7), _rotate(GROUPS, i), 2, 64, 3, _rotate(DTYPES, i), cd, _rotate(("NHD", "HND"), i), sk,
+            seed=_rotate(GROUPS, i))
+       for i, (cd, sk) in enumerate(itertools.product(FP8_DTYPES, ("tensor", "head")))]
+    # head sizes that are not multiples of 16 (tensor-core paths pad the k-steps)
+    + [Attn((7, 20), (7, 9), 3, 2, d, 8, BF16, seed=d) for d in (8, 24, 136, 200)]
+)
+
+PREFILL_FULL = (
+    [Attn((40, 70, 9, 1, 2 * bs), (40, 23, 1, 1, bs), g, 2, _rotate(HEAD_SIZES, i), bs, dt,
+          layout=("NHD", "HND")[(i // 3) % 2], seed=bs + g)
+     for i, (bs, g, dt) in enumerate(itertools.product((1, 3, 16, 64, 256), (1, 4, 7), DTYPES))]
+    + [Attn((50, 17), (20, 17), 4, 2, 96, 8, dt, causal=False) for dt in DTYPES]
+    # a long context behind a few queries: backends that split the KV across threads/blocks do
+    + [Attn((2600,), (3,), 8, 1, 128, 32)]
+    + [Attn(lens, q, 2, 4, 128, bs, dt, cd, scale_kind=sk)
+       for cd, sk, dt, bs in [(E4M3, "tensor", BF16, 16), (E4M3, "head", F16, 3), (E5M2, "tensor", F32, 1),
+                              (E5M2, "head", BF16, 64)]
+       for lens, q in (((1, 17, 80), (1, 1, 1)), ((5, 17, 80), (5, 1, 30)))]
+)
+
+
+def _unique(cases):
+    seen, out = set(), []
+    for c in cases:
+        if c not in seen:
+            seen.add(c)
+            out.append(c)
+    return out
+
+
+GRIDS = {
+    "decode": {"interp": DECODE_INTERP, "pairwise": _unique(DECODE_INTERP + DECODE_PAIRWISE_CORE + DECODE_WIDE),
+               "full": _unique(DECODE_INTERP + DECODE_WIDE + DECODE_FULL)},
+    "prefill": {"interp": PREFILL_INTERP, "pairwise": _unique(PREFILL_INTERP + PREFILL_PAIRWISE),
+                "full": _unique(PREFILL_INTERP + PREFILL_PAIRWISE + PREFILL_FULL)},
+}
+
+
+def by_backend(grid: str):
+    return [pytest.param(b, c, id=f"{b}-{c.id}") for b in BACKENDS for c in GRIDS[grid][TIER[b]]]
+
+
+def _name(v) -> str:
+    return str(v)[6:] if isinstance(v, torch.dtype) else str(v)
+
+
+def with_backends(*axes, known_bugs: dict[str, str] | None = None):
+    """Every backend with every combination of the axes (an axis of tuples adds several
+    parameters at once). known_bugs: {backend: what is wrong}, run as strict xfails, so the
+    test starts failing the day the bug is fixed and the entry must go."""
+    params = []
+    for b in BACKENDS:
+        marks = [pytest.mark.xfail(reason=known_bugs[b], strict=True)] if known_bugs and b in known_bugs else []
+        for combo in itertools.product(*axes):
+            row = [x for v in combo for x in (v if isinstance(v, tuple) else (v,))]
+            params.append(pytest.param(b, *row, id="-".join(_name(x) for x in [b, *row]), marks=marks))
+    return params
+
+
+@pytest.mark.parametrize("backend,case", by_backend("decode"))
+def test_decode_attention(backend, case):
+    device = device_of(backend)
+    # on a GPU, a long sequence too: the split-KV paths take over past a few thousand tokens
+    c = case.build(device, extra_lens=(1500,) if device == "cuda" else ())
+    out = nan_like(c.query)
+    paged_ops.backend(backend).decode_attention(*c.decode_args(out))
+    sync(device)
+    assert_close(out, c.reference_decode(), c.dtype)
+
+
+@pytest.mark.parametrize("backend,case", by_backend("prefill"))
+def test_prefill_attention(backend, case):
+    device = device_of(backend)
+    c = case.build(device)
+    out = nan_like(c.query)
+    paged_ops.backend(backend).prefill_attention(*c.prefill_args(out, case.causal))
+    sync(device)
+    assert_close(out, c.reference_prefill(case.causal), c.dtype)
+
+
+FUZZ_EXAMPLES = {"interp": int(os.environ.get("PAGED_OPS_HYPOTHESIS_EXAMPLES", 12)), "pairwise": 8, "full": 25}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_shapes_decode_and_prefill(backend):
+    """Property test over the grids' axes combined at random (derandomized: reproducible):
+    decode and prefill on one random batch. PAGED_OPS_HYPOTHESIS_EXAMPLES raises the
+    interpreter's count for a longer hunt."""
+    device, interp = device_of(backend), TIER[backend] == "interp"
+    ops = paged_ops.backend(backend)
+
+    @settings(max_examples=FUZZ_EXAMPLES[TIER[backend]], deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def check(data):
+        dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+        cache_dtype = data.draw(st.sampled_from([dtype, E4M3, E5M2]), "cache_dtype")
+        num_kv_heads = data.draw(st.integers(1, 3), "num_kv_heads")
+        group = data.draw(st.sampled_from([1, 2, 3, 4, 7, 8]), "group")
+        block_size = data.draw(st.sampled_from([1, 2, 3, 5, 8, 16, 32]), "block_size")
+        head_size = data.draw(st.sampled_from([8, 24, 64, 80, 96, 128] + ([] if interp else [256])), "head_size")
+        seq_lens = data.draw(st.lists(st.integers(1, 48 if interp else 90), min_size=1, max_size=4), "seq_lens")
+        q_lens = [data.draw(st.integers(0, n), "q_len") for n in seq_lens]
+        kw = dict(num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_size=head_size,
+                  block_size=block_size, dtype=dtype, cache_dtype=cache_dtype,
+                  layout=data.draw(st.sampled_from(["NHD", "HND"]), "layout"),
+                  scale_kind=data.draw(st.sampled_from(["tensor", "head"]), "scale_kind"),
+                  device=device, seed=data.draw(st.integers(0, 99), "seed"))
+        c = make_case(seq_lens, **kw)
+        out = nan_like(c.query)
+        ops.decode_attention(*c.decode_args(out))
+        sync(device)
+        assert_close(out, c.reference_decode(), dtype, "decode")
+        if sum(q_lens) == 0:
+            return
+        causal = data.draw(st.booleans(), "causal")
+        c = make_case(seq_lens, q_lens, **kw)
+        out = nan_like(c.query)
+        ops.prefill_attention(*c.prefill_args(out, causal))
+        sync(device)
+        assert_close(out, c.reference_prefill(causal), dtype, "prefill")
+
+    check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prefill_with_no_queries(backend):
+    # Every q_len 0: nothing to compute, nothing read, and an empty output is fine.
+    device = device_of(backend)
+    c = make_case([4, 6], [0, 0], num_heads=4, num_kv_heads=2, head_size=64, block_size=4, device=device)
+    out = torch.empty(0, 4, 64, device=device)
+    paged_ops.backend(backend).prefill_attention(*c.prefill_args(out))
+    sync(device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_query_and_out(backend):
+    # Rows of query and out strided (a wider buffer's halves; only stride(-1) == 1 is promised):
+    # the result is right and nothing outside out's view is written.
+    device = device_of(backend)
+    c = make_case([9, 30], num_heads=4, num_kv_heads=2, head_size=64, block_size=8, seed=5, device=device)
+    wide = torch.randn(c.query.shape[0], c.query.shape[1], 128, device=device)
+    wide[..., :64] = c.query
+    c.query = wide[..., :64]
+    out_wide = poison(torch.empty(wide.shape, device=device))
+    out = out_wide[..., 64:]
+    paged_ops.backend(backend).decode_attention(*c.decode_args(out))
+    sync(device)
+    assert_close(out, c.reference_decode(), c.dtype)
+    assert torch.isnan(out_wide[..., :64]).all(), "wrote outside out's view"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_public_op_with_backend_forced(backend):
+    # torch.ops.paged.* with use_backend: the public entry point reaches this backend's kernels.
+    device = device_of(backend)
+    c = make_case([9, 30], num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=F16,
+                  cache_dtype=E4M3, scale_kind="head", seed=9, device=device)
+    out = nan_like(c.query)
+    with paged_ops.use_backend(backend):
+        torch.ops.paged.decode_attention(*c.decode_args(out))
+    sync(device)
+    assert_close(out, c.reference_decode(), F16)
+
+
+# ---------------------------------------------------------------------------------------------
+# reshape_and_cache
+
+RESHAPE_CONFIGS = [(None, None, F32, "NHD"), (None, None, BF16, "HND"), (None, None, F16, "NHD"),
+                   (E4M3, "tensor", BF16, "NHD"), (E4M3, "head", F32, "HND"), (E5M2, "tensor", F16, "HND"),
+                   (E5M2, "head", BF16, "NHD")]
+
+
+@pytest.mark.parametrize("backend,cache_dtype,scale_kind,dtype,layout,block_size",
+                         with_backends(RESHAPE_CONFIGS, (1, 3, 16)))
+def test_reshape_and_cache(backend, cache_dtype, scale_kind, dtype, layout, block_size):
+    """Bit-identical to the reference; padding tokens (slot -1) and slots not written stay NaN."""
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(block_size)
+    cache_dtype = cache_dtype or dtype
+    num_tokens, num_kv_heads, head_size = 20, 3, 80
+    num_blocks = -(-num_tokens // block_size) + 3
+    # Spread over many binades: fp8 subnormals, ties, and outliers past the fp8 max (saturation).
+    key = (torch.randn(num_tokens, num_kv_heads, head_size, generator=g)
+           * torch.exp(torch.randn(num_tokens, num_kv_heads, head_size, generator=g) * 6))
+    key[0, 0, :4] = torch.tensor([1e9, -1e9, float("inf"), 1e-12])
+    key = key.to(dtype)
+    value = (torch.randn(num_tokens, num_kv_heads, head_size, generator=g) * 40).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::5] = -1  # padding tokens: skipped
+    k_scale = v_scale = None
+    if cache_dtype in FP8_DTYPES:
+        n = 1 if scale_kind == "tensor" else num_kv_heads
+        k_scale, v_scale = torch.rand(n, generator=g) * 0.1 + 0.02, torch.rand(n, generator=g) * 0.1 + 0.02
+    want = [empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout) for _ in range(2)]
+    got = [empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout, device) for _ in range(2)]
+    reference.reshape_and_cache(key, value, *want, slots, k_scale, v_scale)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    paged_ops.backend(backend).reshape_and_cache(to(key), to(value), *got, to(slots), to(k_scale), to(v_scale))
+    sync(device)
+    for name, g_, w in zip(("key_cache", "value_cache"), got, want):
+        assert_bits_equal(g_, w, name)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_reshape_and_cache_strided_key_value(backend):
+    # key/value as strided views of one fused buffer (rows of a qkv projection's output).
+    device = device_of(backend)
+    kv = torch.randn(6, 2, 4, 32, generator=torch.Generator().manual_seed(1))
+    key, value = kv[:, 0], kv[:, 1]
+    slots = torch.tensor([0, 5, 9, 2, 7, 11])
+    want = [empty_cache(3, 4, 4, 32, F32) for _ in range(2)]
+    got = [empty_cache(3, 4, 4, 32, F32, device=device) for _ in range(2)]
+    reference.reshape_and_cache(key, value, *want, slots)
+    kv = kv.to(device)
+    paged_ops.backend(backend).reshape_and_cache(kv[:, 0], kv[:, 1], *got, slots.to(device), None, None)
+    sync(device)
+    for g_, w in zip(got, want):
+        assert_bits_equal(g_, w)
+
+
+# ---------------------------------------------------------------------------------------------
+# quantize_fp8 / dequantize_fp8
+
+def fp8_probe(dtype: torch.dtype, fp8: torch.dtype) -> torch.Tensor:
+    """Every finite fp8 value, every midpoint between neighbours (ties: round-to-even) with its two
+    float32 neighbours, out-of-range values and infinities (saturate), zeros of both signs, tiny
+    values, random values over many binades and random bit patterns; no NaN (see
+    test_quantize_fp8_nan_inputs)."""
+    g = torch.Generator().manual_seed(5)
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = ((values[1:].double() + values[:-1].double()) / 2).float()
+    up, down = torch.full_like(mids, float("inf")), torch.full_like(mids, -float("inf"))
+    special = torch.tensor([1e9, -1e9, float("inf"), -float("inf"), 0.0, -0.0, 1e-30, -1e-30])
+    spread = torch.randn(4000, generator=g) * torch.exp(torch.randn(4000, generator=g) * 5)
+    probe = torch.cat([values, mids, torch.nextafter(mids, up), torch.nextafter(mids, down), special, spread])
+    patterns = torch.randint(-2 ** 31, 2 ** 31 - 1, (20000,), generator=g, dtype=torch.int64).to(torch.int32)
+    patterns = patterns.view(F32) if dtype == F32 else patterns.view(torch.int16).view(dtype)  # 16-bit patterns too
+    patterns = patterns[~patterns.isnan()]
+    n = 19000 + (5 - probe.numel() - 19000) % 8  # a length of 5 mod 8: vector loops leave scalar tails
+    return torch.cat([probe.to(dtype), patterns[:n]])
+
+
+def nan_inputs(dtype: torch.dtype) -> torch.Tensor:
+    """NaNs of both signs with random payloads (torch's own NaN among them)."""
+    g = torch.Generator().manual_seed(9)
+    width, exp_bits = {F32: (32, 8), F16: (16, 5), BF16: (16, 8)}[dtype]
+    mant = width - 1 - exp_bits
+    payload = torch.randint(0, 1 << mant, (64,), generator=g, dtype=torch.int64) | (1 << (mant - 1))  # quiet bit
+    sign = torch.randint(0, 2, (64,), generator=g, dtype=torch.int64) << (width - 1)
+    raw = sign | (((1 << exp_bits) - 1) << mant) | payload
+    if width == 16:
+        x = raw.to(torch.int32).to(torch.int16).view(dtype)
+    else:
+        x = raw.to(torch.int32).view(F32)
+    return torch.cat([torch.tensor([float("nan"), -float("nan")], dtype=dtype), x])
+
+
+def quantize(backend, x, fp8, scale_value=0.37):
+    device = device_of(backend)
+    scale = torch.tensor([scale_value])
+    want = torch.empty(x.shape, dtype=fp8)
+    reference.quantize_fp8(want, x, scale)
+    got = torch.zeros(x.shape, dtype=fp8, device=device)
+    paged_ops.backend(backend).quantize_fp8(got, x.to(device), scale.to(device))
+    sync(device)
+    return got.cpu(), want
+
+
+@pytest.mark.parametrize("backend,fp8", with_backends(FP8_DTYPES, known_bugs={
+    "triton": "triton quantize_fp8 writes 0xFF (a negative NaN) for a positive NaN input; torch's cast gives 0x7F"}))
+def test_quantize_fp8_float32_nan_inputs(backend, fp8):
+    """A float32 NaN gives the reference's (torch's cast's) NaN byte, sign included."""
+    got, want = quantize(backend, nan_inputs(F32), fp8)
+    assert_bits_equal(got, want)
+
+
+@pytest.mark.parametrize("backend,dtype,fp8", with_backends((F16, BF16), FP8_DTYPES))
+def test_quantize_fp8_16bit_nan_inputs(backend, dtype, fp8):
+    """A 16-bit NaN gives an fp8 NaN. Its sign is not compared: torch's own fp16/bf16 -> float32
+    conversion keeps it in vectorized loops and drops it in their scalar tails."""
+    got, want = quantize(backend, nan_inputs(dtype), fp8)
+    assert want.float().isnan().all()
+    assert got.float().isnan().all(), got.view(torch.uint8)[~got.float().isnan()].tolist()
+
+
+@pytest.mark.parametrize("backend,dtype,fp8", with_backends(DTYPES, FP8_DTYPES))
+def test_quantize_dequantize(backend, dtype, fp8):
+    """quantize: the reference's bytes exactly (saturating, round-to-nearest-even, NaN stays NaN);
+    dequantize: its bits exactly, except that a NaN's payload is not part of the contract."""
+    device = device_of(backend)
+    ops = paged_ops.backend(backend)
+    x = fp8_probe(dtype, fp8)
+    for scale_value in (1.0, 0.37, 3e-3):
+        scale = torch.tensor([scale_value])
+        want = torch.empty(x.shape, dtype=fp8)
+        reference.quantize_fp8(want, x, scale)
+        got = poison(torch.empty(x.shape, dtype=fp8, device=device))
+        ops.quantize_fp8(got, x.to(device), scale.to(device))
+        sync(device)
+        assert_bits_equal(got, want, f"quantize {dtype}->{fp8} scale {scale_value}")
+
+        back_want = torch.empty(x.shape, dtype=dtype)
+        reference.dequantize_fp8(back_want, want, scale)
+        back = nan_like(torch.empty(x.shape, dtype=dtype, device=device))
+        ops.dequantize_fp8(back, want.to(device), scale.to(device))
+        sync(device)
+        nan = back_want.isnan()
+        assert torch.equal(back.isnan().cpu(), nan), f"dequantize {fp8}->{dtype}: NaN positions"
+        assert torch.equal(bits(back)[~nan], bits(back_want)[~nan]), f"dequantize {fp8}->{dtype} scale {scale_value}"
+
+
+# ---------------------------------------------------------------------------------------------
+# copy_blocks / swap_blocks
+
+def random_cache(num_blocks, block_size, heads, head_size, dtype, layout, g, device="cpu"):
+    c = empty_cache(num_blocks, block_size, heads, head_size, dtype, layout)
+    c.copy_(torch.randn(c.shape, generator=g).to(dtype))
+    return c.to(device) if layout == "NHD" else c.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend,dtype,block_size",
+                         with_backends([(F32, 4), (BF16, 16), (E4M3, 4), (F16, 16), (E5M2, 3), (F32, 1)]))
+def test_copy_blocks(backend, dtype, block_size):
+    """Every (src, dst) pair in every layer: NHD and HND layers and a non-dense view (every other
+    head of a wider cache, whose other heads must stay untouched)."""
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(7)
+    num_blocks, heads, head_size = 10, 2, 24
+    wide = torch.randn(num_blocks, block_size, 2 * heads, head_size, generator=g).to(dtype).to(device)
+    key_caches = [random_cache(num_blocks, block_size, heads, head_size, dtype, "NHD", g, device),
+                  random_cache(num_blocks, block_size, heads, head_size, dtype, "HND", g, device), wide[:, :, ::2]]
+    value_caches = [random_cache(num_blocks, block_size, heads, head_size, dtype, lay, g, device)
+                    for lay in ("NHD", "HND", "NHD")]
+    want = [c.cpu().clone() for c in key_caches + value_caches]
+    wide_before = wide.clone()
+    mapping = torch.tensor([[0, 5], [3, 7], [0, 9]])
+    reference.copy_blocks(want[:3], want[3:], mapping)
+    paged_ops.backend(backend).copy_blocks(key_caches, value_caches, mapping.to(device))
+    sync(device)
+    for got, w in zip(key_caches + value_caches, want):
+        assert_bits_equal(got, w)
+    assert_bits_equal(wide[:, :, 1::2], wide_before[:, :, 1::2], "unselected heads of the strided view")
+
+
+@pytest.mark.parametrize("backend,layout", with_backends(("NHD", "HND")))
+def test_copy_blocks_layers_of_different_dtypes(backend, layout):
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(2)
+    kcs, vcs = [], []
+    for dt in (F16, E4M3, F32):
+        for caches in (kcs, vcs):
+            c = empty_cache(8, 3, 2, 24, dt, layout)
+            c.view(torch.uint8).copy_(torch.randint(0, 120, c.view(torch.uint8).shape, generator=g, dtype=torch.uint8))
+            caches.append(c)
+    mapping = torch.tensor([[0, 5], [2, 6], [1, 7]])
+    want_k, want_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
+    reference.copy_blocks(want_k, want_v, mapping)
+    move = (lambda c: c) if device == "cpu" else (lambda c: c.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+                                                  if layout == "HND" else c.to(device))
+    kcs, vcs = [move(c) for c in kcs], [move(c) for c in vcs]
+    paged_ops.backend(backend).copy_blocks(kcs, vcs, mapping.to(device))
+    sync(device)
+    for a, b in zip(kcs + vcs, want_k + want_v):
+        assert_bits_equal(a, b)
+
+
+SWAP_CONFIGS = [(F16, "NHD", "NHD"), (BF16, "NHD", "HND"), (E4M3, "HND", "NHD"), (E5M2, "HND", "HND"),
+                (F32, "NHD", "NHD")]
+
+
+@pytest.mark.parametrize("backend,dtype,src_layout,dst_layout", with_backends(SWAP_CONFIGS))
+def test_swap_blocks(backend, dtype, src_layout, dst_layout):
+    """Whole blocks between two caches; on a GPU also device -> host and host -> device. Blocks
+    outside the mapping stay as they were (NaN)."""
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(8)
+    src = random_cache(6, 3, 2, 16, dtype, src_layout, g)
+    mapping = torch.tensor([[1, 6], [4, 0], [5, 3]])  # on the CPU, as the contract says
+    want = empty_cache(7, 3, 2, 16, dtype, dst_layout)
+    reference.swap_blocks(src, want, mapping)
+    directions = [(device, device)] + ([("cuda", "cpu"), ("cpu", "cuda")] if device == "cuda" else [])
+    for src_device, dst_device in directions:
+        dst = empty_cache(7, 3, 2, 16, dtype, dst_layout, dst_device)
+        moved = src.to(src_device) if src_layout == "NHD" else src.transpose(1, 2).contiguous().to(src_device).transpose(1, 2)
+        paged_ops.backend(backend).swap_blocks(moved, dst, mapping)
+        sync(device)
+        assert_bits_equal(dst, want, f"{src_device} -> {dst_device}")
+        assert torch.isnan(dst[1].float()).all(), "a block outside the mapping was written"
