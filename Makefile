@@ -28,6 +28,7 @@ build: venv
 
 demo: build
 	$(PY) -m paged_ops.demo
+	$(PY) -m bench.decode_table
 	$(PY) -m engine demo
 
 test: build

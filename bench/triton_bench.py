@@ -1,7 +1,7 @@
 """GPU timings of the Triton attention kernels, for the numbers the interpreter cannot give.
 
-    python -m paged_ops.triton.bench                 # default + tuned configs, Llama-3-8B-like heads
-    python -m paged_ops.triton.bench --no-tune --json
+    python -m bench.triton_bench                 # default + tuned configs, Llama-3-8B-like heads
+    python -m bench.triton_bench --no-tune --json
 
 Decode is memory-bound: reported as achieved KV-cache read bandwidth (GB/s). Prefill is
 compute-bound: reported as attention TFLOP/s (causal counts half the score matrix).
@@ -11,57 +11,38 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
 import torch
 
-
-def _paged_batch(seq_lens, num_kv_heads, head_size, block_size, dtype, device):
-    """Random caches holding seq_lens tokens each, blocks shuffled across sequences."""
-    blocks = [math.ceil(n / block_size) for n in seq_lens]
-    num_blocks = sum(blocks)
-    key_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_size, device=device).to(dtype)
-    value_cache = torch.randn_like(key_cache)
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    table = torch.zeros(len(seq_lens), max(blocks), dtype=torch.int32, device=device)
-    start = 0
-    for s, nb in enumerate(blocks):
-        table[s, :nb] = perm[start:start + nb]
-        start += nb
-    return key_cache, value_cache, table, torch.tensor(seq_lens, dtype=torch.int32, device=device)
+from paged_ops.testing import assert_close, make_case
 
 
-def _rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def _check(out, ref, dtype):
-    budget = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype]
-    err = _rel_err(out, ref)
-    if not err <= budget:
-        raise AssertionError(f"relative error {err:.3g} > {budget:g}")
-    return err
+def _paged_batch(seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype, device, q_lens=None):
+    """Random caches holding seq_lens tokens each (the whole pool random, built on the device),
+    blocks shuffled across sequences, and the query."""
+    return make_case(seq_lens, q_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                     block_size=block_size, dtype=dtype, device=device, poison_unused=False, spare_blocks=0,
+                     spare_columns=0)
 
 
 def bench_decode(batch, context, num_heads, num_kv_heads, head_size, block_size, dtype, device):
     from triton.testing import do_bench
 
-    from .. import reference
-    from . import decode, last_config
-    key_cache, value_cache, table, seq_lens = _paged_batch([context] * batch, num_kv_heads, head_size,
-                                                           block_size, dtype, device)
-    query = torch.randn(batch, num_heads, head_size, device=device).to(dtype)
+    from paged_ops import reference
+    from paged_ops.triton import decode, last_config
+    case = _paged_batch([context] * batch, num_heads, num_kv_heads, head_size, block_size, dtype, device)
+    key_cache, table, seq_lens, query = case.key_cache, case.block_tables, case.seq_lens, case.query
     out = torch.empty_like(query)
-    scale = head_size ** -0.5
-    args = (out, query, key_cache, value_cache, table, seq_lens, scale)
+    scale = case.scale
+    args = (out, query, key_cache, case.value_cache, table, seq_lens, scale)
     decode.decode_attention(*args)  # tunes here on a first call (if enabled)
     config = last_config("decode_attention")
     sub = slice(0, min(batch, 2))  # the float64 reference is slow: check two sequences
     ref = torch.empty(query[sub].shape, dtype=torch.float64, device=device)
-    reference.decode_attention(ref, query[sub].double(), key_cache, value_cache, table[sub], seq_lens[sub], scale)
-    err = _check(out[sub], ref, dtype)
+    reference.decode_attention(ref, query[sub].double(), key_cache, case.value_cache, table[sub], seq_lens[sub], scale)
+    err = assert_close(out[sub], ref, dtype)
     ms = do_bench(lambda: decode.decode_attention(*args), warmup=25, rep=100, return_mode="median")
     kv_bytes = 2 * batch * context * num_kv_heads * head_size * key_cache.element_size()
     return {"op": "decode", "batch": batch, "context": context, "ms": ms, "GB/s": kv_bytes / ms / 1e6,
@@ -71,21 +52,18 @@ def bench_decode(batch, context, num_heads, num_kv_heads, head_size, block_size,
 def bench_prefill(q_len, num_heads, num_kv_heads, head_size, block_size, dtype, device):
     from triton.testing import do_bench
 
-    from .. import reference
-    from . import last_config, prefill
-    key_cache, value_cache, table, seq_lens = _paged_batch([q_len], num_kv_heads, head_size,
-                                                           block_size, dtype, device)
-    query = torch.randn(q_len, num_heads, head_size, device=device).to(dtype)
+    from paged_ops import reference
+    from paged_ops.triton import last_config, prefill
+    case = _paged_batch([q_len], num_heads, num_kv_heads, head_size, block_size, dtype, device, q_lens=[q_len])
+    query = case.query
     out = torch.empty_like(query)
-    cu = torch.tensor([0, q_len], dtype=torch.int32, device=device)
-    scale = head_size ** -0.5
-    args = (out, query, key_cache, value_cache, table, cu, seq_lens, q_len, scale, True)
+    args = case.prefill_args(out)[:10]
     prefill.prefill_attention(*args)
     config = last_config("prefill_attention")
     rows = slice(q_len - 64, q_len)  # check the last 64 queries (they see the whole context)
     ref_full = torch.empty(query.shape, dtype=torch.float64, device=device)
     reference.prefill_attention(ref_full, query.double(), *args[2:])
-    err = _check(out[rows], ref_full[rows], dtype)
+    err = assert_close(out[rows], ref_full[rows], dtype)
     ms = do_bench(lambda: prefill.prefill_attention(*args), warmup=25, rep=100, return_mode="median")
     flops = 4 * q_len * q_len * num_heads * head_size / 2  # QK^T and PV, causal half
     return {"op": "prefill", "q_len": q_len, "ms": ms, "TFLOP/s": flops / ms / 1e9, "rel_err": err,
