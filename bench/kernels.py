@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 import paged_ops
+from paged_ops.testing import make_case, random_tensor
 from bench.common import CORRECTNESS_ONLY, last_level_cache_bytes, rotation_count
 
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
@@ -186,33 +187,29 @@ def validated_kernel(backend: str, op: str) -> Callable:
 # ---------------------------------------------------------------- inputs
 
 def _rand(shape, dtype: torch.dtype, device: str, gen: torch.Generator) -> torch.Tensor:
-    """Uniform(-1, 1) values in dtype (fp8 through a float cast); no NaN or denormal slow paths."""
-    if dtype.is_floating_point and dtype.itemsize >= 2:
-        return torch.empty(shape, dtype=dtype, device=device).uniform_(-1, 1, generator=gen)
-    return torch.empty(shape, dtype=torch.float16, device=device).uniform_(-1, 1, generator=gen).to(dtype)
-
-
-def _block_tables(case: Case, num_blocks: int, device: str, seed: int) -> torch.Tensor:
-    """Each sequence's blocks drawn from a random permutation of the pool, as in a long-running
-    engine: consecutive blocks of a sequence are not adjacent in memory."""
-    per_seq = math.ceil(case.context_len / case.block_size)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))[: case.num_seqs * per_seq]
-    return perm.to(torch.int32).view(case.num_seqs, per_seq).to(device)
-
-
-def _scale(case: Case, device: str):
-    return torch.ones(1, dtype=torch.float32, device=device) if case.cache_dtype else None
+    return random_tensor(shape, dtype, gen, device)
 
 
 def _gen(device: str, seed: int) -> torch.Generator:
     return torch.Generator(device).manual_seed(seed)
 
 
-def _pool(case: Case, device: str, gen: torch.Generator, spare: float = 0.0):
+def _pool(case: Case, device: str, gen: torch.Generator):
+    """Random K and V caches of num_seqs x context_len tokens (copy/swap sources)."""
     per_seq = math.ceil(case.context_len / case.block_size)
-    num_blocks = math.ceil(case.num_seqs * per_seq * (1 + spare))
-    shape = (num_blocks, case.block_size, case.num_kv_heads, case.head_size)
+    shape = (case.num_seqs * per_seq, case.block_size, case.num_kv_heads, case.head_size)
     return _rand(shape, case.cache_torch_dtype, device, gen), _rand(shape, case.cache_torch_dtype, device, gen)
+
+
+def _paged(case: Case, device: str, seed: int, q_lens=None, spare_blocks: float = 0.0):
+    """num_seqs sequences of context_len cached tokens (paged_ops.testing.make_case): the whole pool
+    random (no NaN slow paths), each sequence's blocks drawn from a random permutation of the
+    pool, as in a long-running engine (consecutive blocks of a sequence are not adjacent)."""
+    c = case
+    return make_case([c.context_len] * c.num_seqs, q_lens, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                     head_size=c.head_size, block_size=c.block_size, dtype=c.torch_dtype,
+                     cache_dtype=c.cache_torch_dtype, device=device, seed=seed, poison_unused=False,
+                     spare_blocks=spare_blocks, spare_columns=0)
 
 
 def build_args(case: Case, device: str, seed: int) -> tuple:
@@ -220,25 +217,18 @@ def build_args(case: Case, device: str, seed: int) -> tuple:
     g = _gen(device, seed)
     dt, c = case.torch_dtype, case
     if c.op == "decode_attention":
-        kc, vc = _pool(c, device, g)
-        q = _rand((c.num_seqs, c.num_heads, c.head_size), dt, device, g)
-        seq_lens = torch.full((c.num_seqs,), c.context_len, dtype=torch.int32, device=device)
-        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, seed), seq_lens,
-                c.head_size ** -0.5, _scale(c, device), _scale(c, device))
+        p = _paged(c, device, seed)
+        return p.decode_args(torch.empty_like(p.query))
     if c.op == "prefill_attention":
-        kc, vc = _pool(c, device, g)
-        q = _rand((c.num_tokens, c.num_heads, c.head_size), dt, device, g)
-        cu = torch.arange(c.num_seqs + 1, dtype=torch.int32, device=device) * c.context_len
-        seq_lens = torch.full((c.num_seqs,), c.context_len, dtype=torch.int32, device=device)
-        return (torch.empty_like(q), q, kc, vc, _block_tables(c, kc.shape[0], device, seed), cu, seq_lens,
-                c.context_len, c.head_size ** -0.5, True, _scale(c, device), _scale(c, device))
+        p = _paged(c, device, seed, q_lens=[c.context_len] * c.num_seqs)  # every token of the context a query
+        return p.prefill_args(torch.empty_like(p.query), True)
     if c.op == "reshape_and_cache":
-        kc, vc = _pool(c, device, g, spare=1.0)  # half the pool unused, as in a running engine
-        bt = _block_tables(c, kc.shape[0], device, seed).long()
+        p = _paged(c, device, seed, spare_blocks=1.0)  # half the pool unused, as in a running engine
+        bt = p.block_tables.long()
         pos = torch.arange(c.context_len, device=device)
         slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
         k = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
-        return (k, torch.empty_like(k).copy_(k), kc, vc, slots, _scale(c, device), _scale(c, device))
+        return (k, torch.empty_like(k).copy_(k), p.key_cache, p.value_cache, slots, p.k_scale, p.v_scale)
     if c.op == "copy_blocks":
         layers = [_pool(c, device, g) for _ in range(c.num_layers)]
         return ([k for k, _ in layers], [v for _, v in layers], _copy_mapping(layers[0][0].shape[0], seed).to(device))
