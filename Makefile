@@ -16,7 +16,7 @@ all: build
 $(VENV)/.deps: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q "scikit-build-core>=0.10" "cmake>=3.26" ninja numpy \
+	$(PY) -m pip install -q "scikit-build-core>=1.1" "cmake>=3.26" ninja numpy \
 	    transformers safetensors tqdm pytest pytest-benchmark hypothesis matplotlib
 	touch $@
 
@@ -39,7 +39,7 @@ test: build
 # install lives in its own site-packages, so .venv's install is untouched.
 OLDEST_TORCH := 2.11.0
 CPU_TORCH := 2.13.0
-TEST_VENV_DEPS := "scikit-build-core>=0.10" "cmake>=3.26" ninja numpy pytest pytest-benchmark hypothesis
+TEST_VENV_DEPS := "scikit-build-core>=1.1" "cmake>=3.26" ninja numpy pytest pytest-benchmark hypothesis
 # The backend-independent contract: every op against the reference on each CPU-runnable backend.
 CONTRACT_TESTS = $(wildcard tests/test_ops.py tests/test_contract.py tests/test_cpu_backend.py tests/test_cuda_emu.py)
 

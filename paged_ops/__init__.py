@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from . import _C  # noqa: F401  (registers the schemas and the C++ backends)
+from . import _build
+
+_build.check()  # no build / another torch than the build's: an ImportError that says what to do
+__version__ = _build.version()
+
+from . import _C  # noqa: F401,E402  (registers the schemas and the C++ backends)
 
 from . import reference
 from .backends import OPS, available_backends, backend, selected_backend, use_backend
@@ -68,5 +73,5 @@ def swap_blocks(src, dst, block_mapping) -> None:
     torch.ops.paged.swap_blocks(src, dst, block_mapping)
 
 
-__all__ = ["OPS", "available_backends", "backend", "selected_backend", "use_backend", "reference",
+__all__ = ["__version__", "OPS", "available_backends", "backend", "selected_backend", "use_backend", "reference",
            *OPS]
