@@ -37,11 +37,11 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
   p.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
   p.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
   p.per_head_scale = k_scale && k_scale->numel() > 1;
-  p.num_seqs = int(seq_lens.size(0));
-  p.num_heads = int(query.size(1));
-  p.num_kv_heads = int(key_cache.size(2));
-  p.head_size = int(query.size(2));
-  p.block_size = int(key_cache.size(1));
+  p.num_seqs = seq_lens.size(0);
+  p.num_heads = query.size(1);
+  p.num_kv_heads = key_cache.size(2);
+  p.head_size = query.size(2);
+  p.block_size = key_cache.size(1);
   p.scale = float(scale);
   p.causal = causal;
   switch (query.scalar_type()) {

@@ -6,6 +6,12 @@
 // same tile), walks the block table in tiles of kTileTokens tokens with an online softmax, and
 // either writes the normalized output or, when the sequence's KV is split across tasks, a
 // partial output plus its log-sum-exp that a second pass merges.
+//
+// Sizes and positions are int64: a stride-0 view can have any size (block_size 2^32 + 16), and
+// a position near 2^31 plus a tile overflows int. The running softmax sum and output
+// accumulator are fp64: each tile is summed in fp32 registers (32 terms) and added to them, so
+// the error does not grow with the context length (in fp32 a sum of 1e8 probabilities of ~1
+// stops growing at 2^24, and the output drifts by percents).
 #pragma once
 #include <omp.h>
 
@@ -34,7 +40,7 @@ struct AttentionParams {
   const float* k_scale;         // nullptr, or 1 / num_kv_heads elements
   const float* v_scale;
   bool per_head_scale;
-  int num_seqs, num_heads, num_kv_heads, head_size, block_size;
+  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
   bool causal;
 };
@@ -46,25 +52,27 @@ inline constexpr int kMinSplitTokens = 256;
 inline constexpr int64_t kMinParallelWork = int64_t(1) << 21;  // ~0.2 ms of one core
 
 struct Task {
-  int seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
-  int q_begin, q_end;                   // query rows [q_begin, q_end) of the flattened batch
-  int kv_begin, kv_end;                 // this task's KV positions
-  int split, num_splits;
+  int64_t seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
+  int64_t q_begin, q_end;                   // query rows [q_begin, q_end) of the flattened batch
+  int64_t kv_begin, kv_end;                 // this task's KV positions
+  int64_t split, num_splits;
   int64_t partial_offset;  // into the split workspace, in rows
 };
 
 // Per-thread scratch, reused across tasks.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l;
-  std::vector<int> last_visible;
+  std::vector<float> q, s, m, out;
+  std::vector<double> acc, l;  // the running sums (see the top of the file)
+  std::vector<int64_t> last_visible;
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
-  void resize(int rows, int heads, int head_size) {
+  void resize(int64_t rows, int64_t heads, int head_size) {
     q.resize(size_t(rows) * heads * head_size);
     acc.resize(size_t(rows) * heads * head_size);
     s.resize(size_t(rows) * kTileTokens);
     m.resize(size_t(rows) * heads);
     l.resize(size_t(rows) * heads);
+    out.resize(head_size);
     last_visible.resize(rows);
   }
 };
@@ -97,7 +105,7 @@ struct CacheRead<c10::Float8_e4m3fn> {
   static constexpr float kUnit = 256.f;
 };
 
-inline float head_scale(const float* scale, bool per_head, int head) {
+inline float head_scale(const float* scale, bool per_head, int64_t head) {
   return scale == nullptr ? 1.f : scale[per_head ? head : 0];
 }
 
@@ -167,16 +175,14 @@ inline void qk_block(const float* q, int D, const CT* const* k, int n, float* s,
   }
 }
 
-// acc[r] += sum_j p[r][j] * v[j] for R rows: 16 columns of R rows stay in registers over the tile.
+// acc[r] += sum_j p[r][j] * v[j] for R rows: 16 columns of R rows stay in fp32 registers over
+// the tile, then are added to the fp64 accumulator.
 template <int R, typename CT>
-inline void pv_block(float* acc, int D, const float* p, const CT* const* v, int n) {
+inline void pv_block(double* acc, int D, const float* p, const CT* const* v, int n) {
   for (int c = 0; c < D; c += 16) {
     const bool pair = c + 16 <= D;  // head sizes are multiples of 8, not always of 16
     Vec8 a[R][2];
-    for (int r = 0; r < R; ++r) {
-      a[r][0] = Vec8::load(acc + size_t(r) * D + c);
-      a[r][1] = pair ? Vec8::load(acc + size_t(r) * D + c + 8) : Vec8::zero();
-    }
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = Vec8::zero();
     for (int j = 0; j < n; ++j) {
       Vec8 v0, v1;
       if (pair)
@@ -190,16 +196,16 @@ inline void pv_block(float* acc, int D, const float* p, const CT* const* v, int 
       }
     }
     for (int r = 0; r < R; ++r) {
-      a[r][0].store(acc + size_t(r) * D + c);
-      if (pair) a[r][1].store(acc + size_t(r) * D + c + 8);
+      a[r][0].add_to(acc + size_t(r) * D + c);
+      if (pair) a[r][1].add_to(acc + size_t(r) * D + c + 8);
     }
   }
 }
 
 // Runs a micro-kernel over all rows, four at a time (the register budget of 16 vector registers).
 template <template <int, typename> class Kernel, typename CT, typename... Args>
-inline void for_row_blocks(int rows, Args&&... args) {
-  int r = 0;
+inline void for_row_blocks(int64_t rows, Args&&... args) {
+  int64_t r = 0;
   for (; r + 4 <= rows; r += 4) Kernel<4, CT>::run(r, args...);
   switch (rows - r) {
     case 3: Kernel<3, CT>::run(r, args...); break;
@@ -211,7 +217,7 @@ inline void for_row_blocks(int rows, Args&&... args) {
 template <int R, typename CT>
 struct QK {
   template <typename P>
-  static void run(int r, const float* q, int D, const CT* const* k, int n, float* s, const P& next) {
+  static void run(int64_t r, const float* q, int D, const CT* const* k, int n, float* s, const P& next) {
     // Only the first row block issues the next tile's prefetches: once is enough.
     qk_block<R, CT>(q + size_t(r) * D, D, k, n, s + r * kTileTokens, r == 0 ? next : P{});
   }
@@ -219,7 +225,7 @@ struct QK {
 
 template <int R, typename CT>
 struct PV {
-  static void run(int r, float* acc, int D, const float* p, const CT* const* v, int n) {
+  static void run(int64_t r, double* acc, int D, const float* p, const CT* const* v, int n) {
     pv_block<R, CT>(acc + size_t(r) * D, D, p + r * kTileTokens, v, n);
   }
 };
@@ -229,44 +235,44 @@ struct PV {
 // K/V rows of all its heads together: contiguous memory in the usual layouts, which is what
 // the hardware prefetcher follows. Writes out (num_splits == 1) or partial/lse (split tasks).
 template <typename QT, typename CT>
-void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, float* lse) {
+void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, double* lse) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int D = p.head_size;
-  const int group = p.num_heads / p.num_kv_heads;
-  const int q_len = p.cu_seqlens_q[t.seq + 1] - p.cu_seqlens_q[t.seq];
-  const int kv_len = p.seq_lens[t.seq];
-  const int first_q = p.cu_seqlens_q[t.seq];
-  const int tokens = t.q_end - t.q_begin;
-  const int rows = tokens * group;  // per KV head
-  const int heads = t.kv_head_end - t.kv_head_begin;
+  const int D = int(p.head_size);  // validated: at most 256
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t first_q = p.cu_seqlens_q[t.seq];
+  const int64_t q_len = p.cu_seqlens_q[t.seq + 1] - first_q;
+  const int64_t kv_len = p.seq_lens[t.seq];
+  const int64_t tokens = t.q_end - t.q_begin;
+  const int64_t rows = tokens * group;  // per KV head
+  const int64_t heads = t.kv_head_end - t.kv_head_begin;
   w.resize(rows, heads, D);
 
   const QT* query = static_cast<const QT*>(p.query);
-  int kv_stop = t.kv_begin;
-  for (int i = 0; i < tokens; ++i) {
-    const int token = t.q_begin + i;
-    const int visible = p.causal ? kv_len - q_len + (token - first_q) : kv_len - 1;
-    for (int g = 0; g < group; ++g) w.last_visible[i * group + g] = visible;
+  int64_t kv_stop = t.kv_begin;
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t token = t.q_begin + i;
+    const int64_t visible = p.causal ? kv_len - q_len + (token - first_q) : kv_len - 1;
+    for (int64_t g = 0; g < group; ++g) w.last_visible[i * group + g] = visible;
     kv_stop = std::max(kv_stop, std::min(t.kv_end, visible + 1));
   }
-  for (int hl = 0; hl < heads; ++hl) {
-    const int kv_head = t.kv_head_begin + hl;
+  for (int64_t hl = 0; hl < heads; ++hl) {
+    const int64_t kv_head = t.kv_head_begin + hl;
     // k_scale folds into the query (and v_scale into the output): both are per KV head.
     const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
-    for (int r = 0; r < rows; ++r) {
-      const int token = t.q_begin + r / group, head = kv_head * group + r % group;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
       float* q = &w.q[(size_t(hl) * rows + r) * D];
       to_float(query + token * p.q_stride_token + head * p.q_stride_head, q, D);
       for (int d = 0; d < D; ++d) q[d] *= q_mul;
       w.m[hl * rows + r] = kNegInf;
-      w.l[hl * rows + r] = 0.f;
+      w.l[hl * rows + r] = 0.0;
     }
   }
-  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * D, 0.f);
+  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * D, 0.0);
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
-  const int32_t* table = p.block_tables + int64_t(t.seq) * p.max_blocks_per_seq;
+  const int32_t* table = p.block_tables + t.seq * p.max_blocks_per_seq;
   const CT* k_tokens[2][kTileTokens];  // each token's head-0 row, for this tile and the next
   const CT* v_tokens[2][kTileTokens];
   using Exact = typename CacheRead<CT>::Exact;
@@ -285,25 +291,36 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     }
   };
   const int64_t row_bytes = int64_t(D) * sizeof(CT);
-  auto locate = [&](int j0, int slot) {
-    for (int j = 0; j < kTileTokens && j0 + j < kv_stop; ++j) {
-      const int pos = j0 + j;
-      const int64_t block = table[pos / p.block_size], offset = pos % p.block_size;
-      k_tokens[slot][j] = kc + block * p.k_stride_block + offset * p.k_stride_token;
-      v_tokens[slot][j] = vc + block * p.v_stride_block + offset * p.v_stride_token;
+  // Tokens [j0, j0 + n) of the task, n <= kTileTokens.
+  auto tile_len = [&](int64_t j0) { return int(std::min<int64_t>(kTileTokens, kv_stop - j0)); };
+  // One division per tile, not per token (a 64-bit division costs more than a token's math at
+  // small head sizes); the next block's table entry is read only when a token lies in it.
+  auto locate = [&](int64_t j0, int slot) {
+    const int n = tile_len(j0);
+    int64_t index = j0 / p.block_size, offset = j0 % p.block_size;
+    const CT* k_block = kc + table[index] * p.k_stride_block;
+    const CT* v_block = vc + table[index] * p.v_stride_block;
+    for (int j = 0; j < n; ++j, ++offset) {
+      if (offset == p.block_size) {
+        offset = 0, ++index;
+        k_block = kc + table[index] * p.k_stride_block;
+        v_block = vc + table[index] * p.v_stride_block;
+      }
+      k_tokens[slot][j] = k_block + offset * p.k_stride_token;
+      v_tokens[slot][j] = v_block + offset * p.v_stride_token;
     }
-    return std::min(kTileTokens, kv_stop - j0);
+    return n;
   };
-  const int first_n = locate(t.kv_begin, 0);
-  for (int hl = 0; hl < heads; ++hl) {
+  const int first_n = kv_stop > t.kv_begin ? locate(t.kv_begin, 0) : 0;
+  for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t h = t.kv_head_begin + hl;
     Prefetch<CT>{k_tokens[0], v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
         .rows(0, kTileTokens);
   }
-  for (int j0 = t.kv_begin, slot = 0; j0 < kv_stop; j0 += kTileTokens, slot ^= 1) {
-    const int n = std::min(kTileTokens, kv_stop - j0);
-    const int next_n = j0 + kTileTokens < kv_stop ? locate(j0 + kTileTokens, slot ^ 1) : 0;
-    for (int hl = 0; hl < heads; ++hl) {
+  for (int64_t j0 = t.kv_begin, slot = 0; j0 < kv_stop; j0 += kTileTokens, slot ^= 1) {
+    const int n = tile_len(j0);
+    const int next_n = kv_stop - j0 > kTileTokens ? locate(j0 + kTileTokens, int(slot ^ 1)) : 0;
+    for (int64_t hl = 0; hl < heads; ++hl) {
       const int64_t h = t.kv_head_begin + hl;
       for (int j = 0; j < n; ++j) {
         k_rows[j] = reinterpret_cast<const Exact*>(k_tokens[slot][j] + h * p.k_stride_head);
@@ -312,16 +329,16 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
                               (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
       float* q = &w.q[size_t(hl) * rows * D];
-      float* acc = &w.acc[size_t(hl) * rows * D];
+      double* acc = &w.acc[size_t(hl) * rows * D];
       float* m = &w.m[hl * rows];
-      float* l = &w.l[hl * rows];
+      double* l = &w.l[hl * rows];
       if (const Finite* const* k_fast = as_finite(k_rows, n))
         for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
       else
         for_row_blocks<QK, Exact>(rows, q, D, k_rows, n, w.s.data(), next);
-      for (int r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
+      for (int64_t r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
         float* s = &w.s[size_t(r) * kTileTokens];
-        const int visible = std::max(0, std::min(n, w.last_visible[r] - j0 + 1));
+        const int visible = int(std::max<int64_t>(0, std::min<int64_t>(n, w.last_visible[r] - j0 + 1)));
         std::fill(s + visible, s + kTileTokens, kNegInf);  // causally hidden, or past the tile
         Vec8 vmax = Vec8::load(s), vsum = vmax;
         for (int c = 8; c < kTileTokens; c += 8) {
@@ -358,52 +375,55 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     }
   }
 
-  for (int hl = 0; hl < heads; ++hl) {
-    const int kv_head = t.kv_head_begin + hl;
-    const float v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
-    for (int r = 0; r < rows; ++r) {
-      const int row = hl * rows + r;
-      const int token = t.q_begin + r / group, head = kv_head * group + r % group;
-      float* acc = &w.acc[size_t(row) * D];
+  for (int64_t hl = 0; hl < heads; ++hl) {
+    const int64_t kv_head = t.kv_head_begin + hl;
+    const double v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = hl * rows + r;
+      const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
+      const double* acc = &w.acc[size_t(row) * D];
       // l == 0: every visible score was -inf (a valid row sees at least one token), and softmax
       // over only -inf is NaN, as in the reference. l is NaN for NaN rows.
-      const float norm = w.l[row] == 0.f ? std::numeric_limits<float>::quiet_NaN() : v_mul / w.l[row];
-      for (int d = 0; d < D; ++d) acc[d] *= norm;
+      const double norm = w.l[row] == 0.0 ? std::numeric_limits<double>::quiet_NaN() : v_mul / w.l[row];
+      float* o = t.num_splits == 1 ? w.out.data() : partial + (t.partial_offset + row) * D;
+      for (int d = 0; d < D; ++d) o[d] = float(acc[d] * norm);
       if (t.num_splits == 1) {
-        from_float(acc, static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
-      } else {
-        const int64_t prow = t.partial_offset + row;
-        std::copy(acc, acc + D, partial + prow * D);
-        lse[prow] = w.l[row] == 0.f ? kNegInf : w.m[row] + std::log(w.l[row]);  // NaN rows: NaN
+        from_float(o, static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
+      } else {  // NaN rows: NaN
+        lse[t.partial_offset + row] = w.l[row] == 0.0 ? -std::numeric_limits<double>::infinity()
+                                                      : double(w.m[row]) + std::log(w.l[row]);
       }
     }
   }
 }
 
 // Merges the splits of one (seq, kv head, query tile): out = sum_i exp(lse_i - lse) * partial_i.
+// In fp64: an fp32 lse of a long context (~18 at 1e8 tokens) would carry a ~1e-6 weight error.
 template <typename QT>
-void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const float* lse) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int D = p.head_size, group = p.num_heads / p.num_kv_heads;
+void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const double* lse) {
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+  const int D = int(p.head_size);
+  const int64_t group = p.num_heads / p.num_kv_heads;
   const Task& t = splits[0];
-  const int rows = (t.q_end - t.q_begin) * group;  // per KV head
-  std::vector<float> acc(D);
-  for (int row = 0; row < rows * (t.kv_head_end - t.kv_head_begin); ++row) {
-    float max_lse = kNegInf;
-    for (int i = 0; i < t.num_splits; ++i) max_lse = std::max(max_lse, lse[splits[i].partial_offset + row]);
-    std::fill(acc.begin(), acc.end(), 0.f);
-    float total = 0.f;
-    for (int i = 0; i < t.num_splits; ++i) {
+  const int64_t rows = (t.q_end - t.q_begin) * group;  // per KV head
+  std::vector<double> acc(D);
+  std::vector<float> out(D);
+  for (int64_t row = 0; row < rows * (t.kv_head_end - t.kv_head_begin); ++row) {
+    double max_lse = kNegInf;
+    for (int64_t i = 0; i < t.num_splits; ++i) max_lse = std::max(max_lse, lse[splits[i].partial_offset + row]);
+    std::fill(acc.begin(), acc.end(), 0.0);
+    double total = 0.0;
+    for (int64_t i = 0; i < t.num_splits; ++i) {
       const int64_t prow = splits[i].partial_offset + row;
       if (lse[prow] == kNegInf) continue;  // split saw no token
-      const float weight = std::exp(lse[prow] - max_lse);
+      const double weight = std::exp(lse[prow] - max_lse);
       total += weight;
       for (int d = 0; d < D; ++d) acc[d] += weight * partial[prow * D + d];
     }
-    for (int d = 0; d < D; ++d) acc[d] /= total;
-    const int r = row % rows, kv_head = t.kv_head_begin + row / rows;
-    const int token = t.q_begin + r / group, head = kv_head * group + r % group;
-    from_float(acc.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
+    for (int d = 0; d < D; ++d) out[d] = float(acc[d] / total);
+    const int64_t r = row % rows, kv_head = t.kv_head_begin + row / rows;
+    const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
+    from_float(out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
   }
 }
 
@@ -411,37 +431,40 @@ void merge_splits(const AttentionParams& p, const Task* splits, const float* par
 // that leaves threads idle; then heads are spread over tasks, and only then is a long sequence's
 // KV split, so short-context batches never pay for the merge.
 inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, int64_t& partial_rows) {
-  const int group = p.num_heads / p.num_kv_heads;
-  const int tile_tokens = std::max(1, 64 / group);  // ~64 rows per KV head and task
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  const int64_t tile_tokens = std::max<int64_t>(1, 64 / group);  // ~64 rows per KV head and task
   int64_t query_tiles = 0;
-  for (int s = 0; s < p.num_seqs; ++s) {
-    const int q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
     query_tiles += (q_len + tile_tokens - 1) / tile_tokens;
   }
   const int64_t wanted = num_threads > 1 ? int64_t(num_threads) * kTasksPerThread : 1;
-  int heads_per_task = p.num_kv_heads;
+  int64_t heads_per_task = p.num_kv_heads;
   while (heads_per_task > 1 && query_tiles * ((p.num_kv_heads + heads_per_task - 1) / heads_per_task) < wanted)
     heads_per_task = (heads_per_task + 1) / 2;
   const int64_t base_tasks = query_tiles * ((p.num_kv_heads + heads_per_task - 1) / heads_per_task);
-  const int max_splits = base_tasks >= wanted ? 1 : int((wanted + base_tasks - 1) / std::max<int64_t>(base_tasks, 1));
+  const int64_t max_splits = base_tasks >= wanted ? 1 : (wanted + base_tasks - 1) / std::max<int64_t>(base_tasks, 1);
 
   std::vector<Task> tasks;
   partial_rows = 0;
-  for (int s = 0; s < p.num_seqs; ++s) {
-    const int q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1], kv_len = p.seq_lens[s];
-    const int splits = std::max(1, std::min(max_splits, kv_len / kMinSplitTokens));
-    // Split boundaries on tile multiples keep every split's tiles full.
-    const int per_split = ((kv_len + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens;
-    const int num_splits = (kv_len + per_split - 1) / per_split;
-    for (int h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_task) {
-      const int h1 = std::min(p.num_kv_heads, h0 + heads_per_task);
-      for (int qb = q0; qb < q1; qb += tile_tokens) {
-        const int qe = std::min(q1, qb + tile_tokens);
-        for (int i = 0; i < num_splits; ++i) {
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1], kv_len = p.seq_lens[s];
+    if (q1 == q0) continue;  // no query rows (seq_len may be 0 then): nothing to compute
+    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(max_splits, kv_len / kMinSplitTokens));
+    // Split boundaries on tile multiples keep every split's tiles full; at least one tile, so a
+    // (validated away) kv_len of 0 still gets a task, which writes NaN rather than nothing.
+    const int64_t per_split =
+        std::max<int64_t>(kTileTokens, ((kv_len + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens);
+    const int64_t num_splits = std::max<int64_t>(1, (kv_len + per_split - 1) / per_split);
+    for (int64_t h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_task) {
+      const int64_t h1 = std::min(p.num_kv_heads, h0 + heads_per_task);
+      for (int64_t qb = q0; qb < q1; qb += tile_tokens) {
+        const int64_t qe = std::min(q1, qb + tile_tokens);
+        for (int64_t i = 0; i < num_splits; ++i) {
           Task t{s, h0, h1, qb, qe, i * per_split, std::min(kv_len, (i + 1) * per_split), i, num_splits, 0};
           if (num_splits > 1) {
             t.partial_offset = partial_rows;
-            partial_rows += int64_t(qe - qb) * group * (h1 - h0);
+            partial_rows += (qe - qb) * group * (h1 - h0);
           }
           tasks.push_back(t);
         }
@@ -453,16 +476,18 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
 
 template <typename QT, typename CT>
 void paged_attention(const AttentionParams& p) {
+  if (p.num_kv_heads <= 0 || p.num_heads <= 0) return;  // validated away; nothing to compute
   // A parallel region costs a wake-up of every thread, and a whole time slice when another
   // process holds a core: small calls (an engine's decode step on a short context) run inline,
   // and then nothing is gained by splitting KV either.
-  int64_t work = 0;  // multiply-adds, roughly
-  for (int s = 0; s < p.num_seqs; ++s)
-    work += int64_t(p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s]) * p.seq_lens[s] * p.num_heads * p.head_size;
-  const bool parallel = work >= kMinParallelWork && omp_get_max_threads() > 1;
+  double work = 0;  // multiply-adds, roughly (a double: q_len x seq_len x heads can pass 2^63)
+  for (int64_t s = 0; s < p.num_seqs; ++s)
+    work += double(p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s]) * p.seq_lens[s] * p.num_heads * p.head_size;
+  const bool parallel = work >= double(kMinParallelWork) && omp_get_max_threads() > 1;
   int64_t partial_rows = 0;
   const std::vector<Task> tasks = plan_tasks(p, parallel ? omp_get_max_threads() : 1, partial_rows);
-  std::vector<float> partial(size_t(partial_rows) * p.head_size), lse(partial_rows);
+  std::vector<float> partial(size_t(partial_rows) * p.head_size);
+  std::vector<double> lse(partial_rows);
   const int64_t num_tasks = int64_t(tasks.size());
 
 #pragma omp parallel if (parallel)

@@ -13,6 +13,7 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
                  const Tensor& block_mapping) {
   const int64_t* pairs = block_mapping.data_ptr<int64_t>();
   const int64_t num_pairs = block_mapping.size(0), num_layers = int64_t(key_caches.size());
+  if (num_pairs == 0 || num_layers == 0 || key_caches[0].size(0) == 0) return;  // nothing to copy
   // Destinations are distinct and never sources (validated), so all copies are independent.
   // Chunks of >= 256 KiB: a parallel region for less costs more than it saves.
   const int64_t block_bytes = key_caches[0].numel() / key_caches[0].size(0) * key_caches[0].element_size();

@@ -21,6 +21,8 @@ void scatter(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTens
   CT* dst = cache.data_ptr<CT>();
   const float* scales = scale ? scale->data_ptr<float>() : nullptr;
   const bool per_head = scale && scale->numel() > 1;
+  if (num_heads * D == 0) return;  // nothing to store (0 KV heads is validated away too)
+  TORCH_CHECK(block_size >= 1, "reshape_and_cache: block_size must be >= 1");
   // Chunks of >= 64K elements: a parallel region for less costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (num_heads * D));
   at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {

@@ -93,6 +93,10 @@ struct Vec8 {
     hi = {_mm256_cvtph_ps(_mm256_extracti128_si256(half, 1))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void add_to(double* p) const {  // p[0..8) += this, widened exactly to double
+    _mm256_storeu_pd(p, _mm256_add_pd(_mm256_loadu_pd(p), _mm256_cvtps_pd(_mm256_castps256_ps128(v))));
+    _mm256_storeu_pd(p + 4, _mm256_add_pd(_mm256_loadu_pd(p + 4), _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+  }
   Vec8 fma(Vec8 a, Vec8 b) const { return {_mm256_fmadd_ps(a.v, b.v, v)}; }  // this + a * b
   Vec8 operator+(Vec8 o) const { return {_mm256_add_ps(v, o.v)}; }
   Vec8 operator-(Vec8 o) const { return {_mm256_sub_ps(v, o.v)}; }
@@ -155,6 +159,9 @@ struct Vec8 {
     hi = load(p + 8);
   }
   void store(float* p) const { std::memcpy(p, v, sizeof(v)); }
+  void add_to(double* p) const {
+    for (int i = 0; i < 8; ++i) p[i] += v[i];
+  }
   Vec8 fma(Vec8 a, Vec8 b) const {
     Vec8 r;
     for (int i = 0; i < 8; ++i) r.v[i] = v[i] + a.v[i] * b.v[i];
