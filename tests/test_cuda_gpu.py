@@ -1,5 +1,7 @@
-"""The CUDA backend on a real GPU: the same checks as tests/test_cuda_emu.py with backend ``cuda``
-on CUDA tensors, plus GPU-only checks (host<->device swap, the tuner). Collected only when a GPU is
+"""What is specific to the CUDA backend on a real GPU: forced launch configurations (split-KV,
+one pass, shared-KV chunking for groups > 8, tensor-core vs CUDA-core prefill on the same cases)
+and the tuner. The op contract (decode, prefill, reshape_and_cache, fp8, copy, host<->device swap)
+runs for backend ``cuda`` on CUDA tensors in tests/test_ops.py. Collected only when a GPU is
 present: the cases are parametrized over the available CUDA devices, so without one there is
 nothing to run (and nothing reported as skipped-but-passing).
 """
@@ -11,11 +13,10 @@ import pytest
 import torch
 
 import paged_ops
-from paged_ops import reference
-from tests.helpers import FP8, assert_close, empty_cache, make_case, nan_like, poison
+from paged_ops.testing import FP8_DTYPES as FP8
+from paged_ops.testing import assert_close, make_case, nan_like
 
 DEVICES = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-BLOCK_SIZES = (1, 3, 16, 256)
 GROUPS = (1, 2, 4, 7, 8)
 HEAD_SIZES = (64, 80, 96, 128, 256)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -23,10 +24,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def gpu():
     return paged_ops.backend("cuda")
-
-
-def bits(t):
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]).cpu()
 
 
 def to_device(case, device):
@@ -71,19 +68,6 @@ def check_prefill(case, causal=True, ops=None):
     assert_close(out, case.reference_prefill(causal), case.dtype)
 
 
-DECODE_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2])
-               for i, (bs, g) in enumerate(itertools.product(BLOCK_SIZES, GROUPS))]
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("block_size,group,dtype,head_size,layout", DECODE_GRID)
-def test_decode(device, block_size, group, dtype, head_size, layout):
-    lens = [1, block_size, 2 * block_size + 1, 37, 1500]
-    case = make_case(lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=block_size,
-                     dtype=dtype, layout=layout, seed=block_size * 100 + group)
-    check_decode(to_device(case, device))
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", ""])
 @pytest.mark.parametrize("cache_dtype,scale_kind", [(None, "tensor")] + list(itertools.product(FP8, ("tensor", "head"))))
@@ -121,82 +105,6 @@ def test_prefill(device, path, block_size, group, dtype, head_size, layout, caus
     case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                      block_size=block_size, dtype=dtype, layout=layout, seed=block_size * 10 + group)
     check_prefill(to_device(case, device), causal, configured(path))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cache_dtype,scale_kind", list(itertools.product(FP8, ("tensor", "head"))))
-def test_prefill_fp8(device, cache_dtype, scale_kind):
-    case = make_case([50, 20], q_lens=[30, 20], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
-                     dtype=torch.float16, cache_dtype=cache_dtype, scale_kind=scale_kind, seed=2)
-    check_prefill(to_device(case, device))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,cache_dtype", list(itertools.product(DTYPES, ("same",) + FP8)))
-def test_reshape_and_cache(device, dtype, cache_dtype):
-    g = torch.Generator().manual_seed(0)
-    cache_dtype = dtype if cache_dtype == "same" else cache_dtype
-    key = (torch.randn(40, 4, 128, generator=g) * 4).to(dtype)
-    value = (torch.randn(40, 4, 128, generator=g) * 4).to(dtype)
-    slots = torch.randperm(64 * 16, generator=g)[:40]
-    slots[5] = -1
-    scales = (None, None) if cache_dtype not in FP8 else (torch.rand(4) + 0.01, torch.rand(4) + 0.01)
-    ref = [empty_cache(64, 16, 4, 128, cache_dtype, "HND") for _ in range(2)]
-    reference.reshape_and_cache(key, value, ref[0], ref[1], slots, *scales)
-    dev = [empty_cache(64, 16, 4, 128, cache_dtype, "HND", device=device) for _ in range(2)]
-    gpu().reshape_and_cache(key.to(device), value.to(device), dev[0], dev[1], slots.to(device),
-                            *[None if s is None else s.to(device) for s in scales])
-    assert torch.equal(bits(dev[0]), bits(ref[0])) and torch.equal(bits(dev[1]), bits(ref[1]))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype,fp8", list(itertools.product(DTYPES, FP8)))
-def test_quantize(device, dtype, fp8):
-    g = torch.Generator().manual_seed(3)
-    x = torch.randint(-2**31, 2**31 - 1, (100003,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
-    x = x.to(dtype)
-    scale = torch.tensor([0.37])
-    q_ref = torch.empty(x.shape, dtype=fp8)
-    reference.quantize_fp8(q_ref, x, scale)
-    q = poison(torch.empty(x.shape, dtype=fp8, device=device))
-    gpu().quantize_fp8(q, x.to(device), scale.to(device))
-    assert torch.equal(bits(q), bits(q_ref))
-    d_ref = torch.empty(x.shape, dtype=dtype)
-    reference.dequantize_fp8(d_ref, q_ref, scale)
-    d = nan_like(torch.empty(x.shape, dtype=dtype, device=device))
-    gpu().dequantize_fp8(d, q_ref.to(device), scale.to(device))
-    nan = torch.isnan(d_ref)
-    assert torch.equal(torch.isnan(d.cpu()), nan) and torch.equal(bits(d)[~nan], bits(d_ref)[~nan])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_copy_blocks(device):
-    g = torch.Generator().manual_seed(2)
-    kcs = [torch.randn(10, 16, 2, 64, generator=g).to(dt) for dt in (torch.float16, torch.float32)]
-    vcs = [torch.randn(10, 2, 16, 64, generator=g).to(dt).transpose(1, 2) for dt in (torch.float16, torch.float32)]
-    mapping = torch.tensor([[0, 5], [2, 6], [1, 9]])
-    ref_k, ref_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
-    reference.copy_blocks(ref_k, ref_v, mapping)
-    dk, dv = [c.to(device) for c in kcs], [c.to(device) for c in vcs]
-    gpu().copy_blocks(dk, dv, mapping.to(device))
-    for a, b in zip(dk + dv, ref_k + ref_v):
-        assert torch.equal(bits(a), bits(b))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("direction", ["h2d", "d2h", "d2d"])
-def test_swap_blocks(device, direction):
-    g = torch.Generator().manual_seed(4)
-    src = torch.randn(6, 16, 2, 64, generator=g).half()
-    dst = torch.randn(5, 16, 2, 64, generator=g).half()
-    mapping = torch.tensor([[5, 0], [0, 3], [2, 2]])
-    ref = dst.clone()
-    reference.swap_blocks(src, ref, mapping)
-    s = src if direction == "h2d" else src.to(device)
-    d = dst if direction == "d2h" else dst.to(device)
-    gpu().swap_blocks(s, d, mapping)
-    torch.cuda.synchronize()
-    assert torch.equal(d.cpu(), ref)
 
 
 @pytest.mark.parametrize("device", DEVICES)
