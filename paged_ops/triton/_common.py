@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 
 import torch
@@ -72,6 +73,27 @@ def compute_dtype(query_dtype: torch.dtype) -> torch.dtype:
     if INTERPRET and query_dtype == torch.bfloat16:
         return torch.float32
     return query_dtype
+
+
+def row_align(*strides: int) -> int:
+    """Constexpr ROW_ALIGN of the attention kernels: the largest power of two <= 16 dividing
+    every row stride, so every row start is a multiple of it (in elements).
+
+    Triton specializes strides divisible by 16 and infers aligned, vectorized row loads from
+    that; with head sizes = 8 mod 16 (40, 72, 104...) the head stride is not, and without this
+    hint every element gets its own 64-bit address: the kernels spill hundreds of bytes to KBs
+    per thread. The hint restores 8-element (16-byte for 16-bit dtypes) vectors there.
+    """
+    align = 16
+    for s in strides:
+        align = math.gcd(align, int(s))
+    return max(align, 1)
+
+
+def round_bf16(query_dtype: torch.dtype) -> bool:
+    """Constexpr ROUND_BF16 of the attention kernels: emulate the GPU's bf16 roundings where
+    compute_dtype widened bf16 (see _tiles.round_to_bf16)."""
+    return INTERPRET and query_dtype == torch.bfloat16
 
 
 _TL_DTYPES = {

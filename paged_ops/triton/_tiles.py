@@ -14,16 +14,18 @@ def fp8_bits_to_float(x, FP8_FORMAT: tl.constexpr):
     """Exact fp32 value of fp8 bits (uint8), without Triton's fp8 types.
 
     Triton lacks e4m3fn on pre-Hopper GPUs, so the cache bytes are decoded by hand: e5m2 is
-    the top byte of an fp16; e4m3fn's bits shifted into fp16 position are the value / 2^8
-    (fp16's exponent bias is 8 larger), subnormals included. Both are exact. fp8 NaN/inf are
-    not special-cased: stored values come from a saturating cast, and unused slots are masked.
+    the top byte of an fp16 (so its inf and NaN bytes are fp16's inf and NaN); e4m3fn's bits
+    shifted into fp16 position are the value / 2^8 (fp16's exponent bias is 8 larger),
+    subnormals included. Both are exact. e4m3fn has no inf and one NaN per sign (0x7F / 0xFF),
+    which the shift would turn into +-480: it is mapped to NaN, as torch's cast does, so a NaN
+    written into a cache propagates like in every other backend.
     """
     x = x.to(tl.uint16)
     if FP8_FORMAT == FP8_E5M2:
         return (x << 8).to(tl.float16, bitcast=True).to(tl.float32)
     else:
         half = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
-        return half.to(tl.float32) * 256.0
+        return tl.where((x & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
 
 
 @triton.jit
@@ -40,13 +42,16 @@ def locate_tokens(table_row_ptr, pos, valid, KV_BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def load_kv_tile(cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                 stride_b, stride_t, stride_h, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+                 stride_b, stride_t, stride_h, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                 ROW_ALIGN: tl.constexpr):
     """K or V rows of the located tokens: [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
 
     block_ids, offsets, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD]. Invalid rows and padded
-    columns load 0 without touching memory: unused cache slots may hold NaN.
+    columns load 0 without touching memory: unused cache slots may hold NaN. ROW_ALIGN: see
+    row_align().
     """
-    rows = block_ids * stride_b + offsets * stride_t + kv_head * stride_h
+    # int64 throughout: a head-major cache of a few G elements puts kv_head * stride_h past 2^31.
+    rows = tl.multiple_of(block_ids * stride_b + offsets * stride_t + kv_head.to(tl.int64) * stride_h, ROW_ALIGN)
     tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
                    mask=valid[:, None] & dim_mask[None, :], other=0)
     if FP8_FORMAT != FP8_NONE:
@@ -55,12 +60,27 @@ def load_kv_tile(cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
 
 
 @triton.jit
+def round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest-even bf16, kept in fp32 (NaN stays NaN).
+
+    Under the interpreter bf16 dots are widened to fp32 (see _common.compute_dtype) and its
+    fp32 -> bf16 cast truncates: this puts back the rounding a GPU does to the softmax weights
+    before the P @ V dot and to the stored output, so interpreter tests measure the GPU's error.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
 def online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
-                        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        ROUND_BF16: tl.constexpr):
     """One flash-attention step over a KV tile, in base 2.
 
     q: [BLOCK_M, HEAD_PAD], k/v: [BLOCK_N, HEAD_PAD], s_mask: [BLOCK_M, BLOCK_N] (visible);
-    m_i, l_i: [BLOCK_M] running max / sum; acc: [BLOCK_M, HEAD_PAD] fp32.
+    m_i, l_i: [BLOCK_M] running max / sum; acc: [BLOCK_M, HEAD_PAD] fp32. ROUND_BF16: see
+    round_to_bf16 (True only under the interpreter for bf16 queries).
     Every row must see at least one position in its first tile so m_i is finite after it:
     then hidden positions get p = exp2(-inf) = 0 exactly, and v is 0 (not NaN) there.
     """
@@ -70,7 +90,11 @@ def online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(COMPUTE_DTYPE), v, input_precision=DOT_PRECISION)
+    if ROUND_BF16:  # interpreter, bf16 query: the GPU's bf16 P operand
+        p_op = round_to_bf16(p)
+    else:
+        p_op = p.to(COMPUTE_DTYPE)
+    acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -81,3 +105,11 @@ def load_scale(scale_ptr, kv_head, PER_HEAD: tl.constexpr):
         return tl.load(scale_ptr + kv_head)
     else:
         return tl.load(scale_ptr)
+
+
+@triton.jit
+def store_rows(ptr, x, mask, ROUND_BF16: tl.constexpr):
+    """Store fp32 ``x`` in ``ptr``'s dtype, rounding to nearest even like a GPU's cast."""
+    if ROUND_BF16:
+        x = round_to_bf16(x)  # exact in bf16 now: the interpreter's truncating cast is harmless
+    tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

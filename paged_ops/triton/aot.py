@@ -1,11 +1,15 @@
-"""Compile the attention kernels ahead of time for a CUDA architecture, without a GPU.
+"""Compile the Triton kernels ahead of time for a CUDA architecture, without a GPU.
 
-The interpreter checks what the kernels compute, not whether they lower for a real GPU,
-fit its shared memory, or spill registers. Triton can compile for any target with the
-ptxas it ships, so this module compiles each kernel with the JIT's usual specialization
-(16-byte aligned pointers, strides divisible by 16) and reports its resources::
+The interpreter checks what the kernels compute, not whether they lower for a real GPU, fit
+its shared memory, or spill registers. Triton compiles for any target with the ptxas it
+ships, so this module runs the backend's host code on small CPU tensors with every kernel
+replaced by a recorder (nothing is launched), then compiles each recorded launch exactly as
+the JIT would on a GPU: the same binder turns the real arguments into the specialization
+(pointer alignment, integers equal to 1 or divisible by 16, ``do_not_specialize``), so the
+divisibility hints come from real strides (a head size of 72 gives strides that are not
+multiples of 16), and the same key tells how many variants the JIT would compile::
 
-    python -m paged_ops.triton.aot --arch 90          # the default (untuned) configs
+    python -m paged_ops.triton.aot --arch 90          # default configs, resources per kernel
     python -m paged_ops.triton.aot --arch 80 --json
 
 Must run without TRITON_INTERPRET (the kernels have to be JIT functions, not interpreted).
@@ -13,40 +17,92 @@ Must run without TRITON_INTERPRET (the kernels have to be JIT functions, not int
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from ._common import INTERPRET, compute_dtype, dot_precision, fp8_format, head_pad, next_pow2, tl_dtype
-from . import decode, prefill
+from ._common import INTERPRET
+from . import cache, decode, fp8, prefill
 
 # Shared memory per block on the architectures we care about (opt-in maximum).
 SMEM_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 
-_TYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# Every kernel of the backend, by the module attribute its host code launches it through.
+KERNELS = {
+    "decode": (decode, "_decode_kernel"),
+    "decode_reduce": (decode, "_decode_reduce_kernel"),
+    "prefill": (prefill, "_prefill_kernel"),
+    "reshape_and_cache": (cache, "_reshape_and_cache_kernel"),
+    "copy_blocks": (cache, "_copy_blocks_kernel"),
+    "quantize_fp8": (fp8, "_quantize_kernel"),
+    "dequantize_fp8": (fp8, "_dequantize_kernel"),
+}
 
 
-def _arg_type(name: str, dtype: torch.dtype, cache_fp8: bool) -> str:
-    # The attention kernels' argument naming convention decides the type of every argument.
-    if name in ("out_ptr", "q_ptr"):
-        return "*" + _TYPE_NAMES[dtype]
-    if name in ("k_cache_ptr", "v_cache_ptr"):
-        return "*u8" if cache_fp8 else "*" + _TYPE_NAMES[dtype]
-    if name in ("block_tables_ptr", "seq_lens_ptr", "cu_seqlens_q_ptr"):
-        return "*i32"
-    if name.endswith("_ptr"):
-        return "*fp32"
-    if name == "qk_scale_log2":
-        return "fp32"
-    return "i32"
+@dataclass
+class Launch:
+    """One recorded kernel launch: the kernel (a JITFunction) and its arguments."""
+    name: str
+    kernel: object
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a kernel while host code runs: ``kernel[grid](...)`` records, launches nothing."""
+
+    def __init__(self, name, kernel, sink):
+        self.name, self.kernel, self.sink = name, kernel, sink
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.sink.append(Launch(self.name, self.kernel, args, kwargs))
+
+
+@contextlib.contextmanager
+def record_launches(sms: int = 132):
+    """Yields a list that collects the launches of the backend's host code; ``sms`` is the SM
+    count the split heuristic sees (the host tensors are on CPU)."""
+    if INTERPRET:
+        raise RuntimeError("unset TRITON_INTERPRET: the kernels must be JIT functions to compile them")
+    launches: list[Launch] = []
+    saved = [(module, attr, getattr(module, attr)) for module, attr in KERNELS.values()]
+    saved_sms = decode.num_sms
+    try:
+        for name, (module, attr) in KERNELS.items():
+            setattr(module, attr, _Recorder(name, getattr(module, attr), launches))
+        decode.num_sms = lambda device: sms
+        yield launches
+    finally:
+        for module, attr, kernel in saved:
+            setattr(module, attr, kernel)
+        decode.num_sms = saved_sms
+
+
+def _backend(arch: int):
+    return make_backend(GPUTarget("cuda", arch, 32))
+
+
+def specialize(launch: Launch, arch: int = 90):
+    """(JIT cache key, ASTSource, options) of a launch, as the JIT would build them on a GPU."""
+    kernel = launch.kernel
+    backend = _backend(arch)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs, bound_args,
+                                                              specialization, options)
+    key = (launch.name, str(specialization), str(sorted(options.__dict__.items())))
+    return key, ASTSource(kernel, signature, constexprs, attrs), options
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
@@ -64,57 +120,149 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     return int(regs.group(1)) if regs else -1, int(spills.group(1)) if spills else 0
 
 
-def compile_kernel(kernel, constexprs: dict, dtype: torch.dtype, cache_fp8: bool, arch: int,
-                   num_warps: int, num_stages: int) -> dict:
-    """Compile one specialization; returns {"shared", "registers", "spills"} (bytes, count, bytes)."""
-    names = kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else _arg_type(n, dtype, cache_fp8) for n in names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+def compile_launch(launch: Launch, arch: int) -> dict:
+    """Compile one recorded launch for ``sm_<arch>``: {"shared", "registers", "spills"}."""
+    _, src, options = specialize(launch, arch)
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options.__dict__)
     registers, spills = _ptxas_usage(compiled.asm["ptx"], arch)
     return {"shared": compiled.metadata.shared, "registers": registers, "spills": spills}
 
 
-def _common_constexprs(dtype, cache_dtype, head_size, group, block_size) -> dict:
-    cdtype = compute_dtype(dtype)  # not interpreting here: bf16 stays bf16
-    return dict(GROUP_SIZE=group, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
-                K_PER_HEAD=True, V_PER_HEAD=False, FP8_FORMAT=fp8_format(cache_dtype),
-                COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype), HEAD_PAD=head_pad(head_size))
+# ---------------------------------------------------------------------------------------------
+# The launches of one op call on realistic (small, CPU) tensors.
+
+NUM_KV_HEADS, GROUP, BLOCK_SIZE = 2, 4, 16
 
 
-def decode_report(dtype, cache_dtype, head_size, group, arch, block_size=16, config=None, split=True) -> dict:
-    config = config or decode.default_config(head_size, dtype)
-    constexprs = dict(_common_constexprs(dtype, cache_dtype, head_size, group, block_size), SPLIT=split,
-                      BLOCK_M=max(16, next_pow2(group)), BLOCK_N=config["BLOCK_N"])
-    return compile_kernel(decode._decode_kernel, constexprs, dtype, cache_dtype != dtype, arch,
-                          config["num_warps"], config["num_stages"])
+def _cache(num_blocks, head_size, dtype):
+    # [num_blocks, block_size, num_kv_heads, head_size], contiguous: the engine's layout.
+    return torch.zeros(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size).to(dtype)
 
 
-def prefill_report(dtype, cache_dtype, head_size, group, arch, block_size=16, config=None, causal=True) -> dict:
-    config = config or prefill.default_config(head_size, dtype)
-    constexprs = dict(_common_constexprs(dtype, cache_dtype, head_size, group, block_size), CAUSAL=causal,
-                      BLOCK_M=max(config["BLOCK_M"], next_pow2(group)), BLOCK_N=config["BLOCK_N"])
-    return compile_kernel(prefill._prefill_kernel, constexprs, dtype, cache_dtype != dtype, arch,
-                          config["num_warps"], config["num_stages"])
+def _scales(cache_dtype):
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return torch.ones(NUM_KV_HEADS), torch.ones(1)  # per-head k, per-tensor v: both code paths
+    return None, None
+
+
+def decode_launches(dtype, cache_dtype, head_size, num_seqs, seq_len, table_width=None,
+                    config=None, sms=132) -> list[Launch]:
+    """Launches of one decode_attention call (default config unless ``config``): the split
+    heuristic sees ``sms`` SMs, so small batches record the split kernel and the reduce."""
+    # Nothing runs: a few blocks suffice, the table width alone sets the length bound.
+    width = table_width or -(-seq_len // BLOCK_SIZE)
+    kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
+    q = torch.zeros(num_seqs, NUM_KV_HEADS * GROUP, head_size, dtype=dtype)
+    table = torch.zeros(num_seqs, width, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    k_scale, v_scale = _scales(cache_dtype)
+    config = config or decode.default_config(head_size, dtype, cache_dtype)
+    with record_launches(sms) as launches:
+        decode.run_decode(torch.empty_like(q), q, kc, vc, table, seq_lens, head_size ** -0.5,
+                          k_scale, v_scale, config)
+    return launches
+
+
+def prefill_launches(dtype, cache_dtype, head_size, q_lens, seq_lens, table_width=None, config=None,
+                     causal=True) -> list[Launch]:
+    width = table_width or -(-max(seq_lens) // BLOCK_SIZE)
+    kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
+    q = torch.zeros(sum(q_lens), NUM_KV_HEADS * GROUP, head_size, dtype=dtype)
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    k_scale, v_scale = _scales(cache_dtype)
+    config = config or prefill.default_config(head_size, dtype, cache_dtype)
+    with record_launches() as launches:
+        prefill.run_prefill(torch.empty_like(q), q, kc, vc, torch.zeros(len(seq_lens), width, dtype=torch.int32),
+                            cu, torch.tensor(seq_lens, dtype=torch.int32), max(q_lens), head_size ** -0.5,
+                            causal, k_scale, v_scale, config)
+    return launches
+
+
+def cache_launches(dtype, cache_dtype, head_size, num_tokens=3) -> list[Launch]:
+    """reshape_and_cache (and, for fp8 caches, quantize/dequantize) launches."""
+    kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
+    k = torch.zeros(num_tokens, NUM_KV_HEADS, head_size, dtype=dtype)
+    k_scale, v_scale = _scales(cache_dtype)
+    with record_launches() as launches:
+        cache.reshape_and_cache(k, k.clone(), kc, vc, torch.arange(num_tokens), k_scale, v_scale)
+        cache.copy_blocks([kc], [vc], torch.tensor([[0, 1]]))
+        if k_scale is not None:
+            fp8.quantize_fp8(torch.empty_like(k, dtype=cache_dtype), k, v_scale)
+            fp8.dequantize_fp8(k, torch.empty_like(k, dtype=cache_dtype), v_scale)
+    return launches
+
+
+def matrix_launches(dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                    cache_kinds=("same", torch.float8_e4m3fn, torch.float8_e5m2),
+                    head_sizes=(64, 72, 128, 256)) -> list[tuple[dict, Launch]]:
+    """The compile matrix: every kernel's default-config launches over query dtype x cache dtype
+    x head size, with the decode split path at the largest split count the heuristic chooses
+    (batch 1, long context) and the unsplit path (a full batch). (case, launch) pairs."""
+    rows = []
+    for dtype in dtypes:
+        for kind in cache_kinds:
+            cache_dtype = dtype if kind == "same" else kind
+            for head_size in head_sizes:
+                case = {"dtype": str(dtype), "cache": str(cache_dtype), "head_size": head_size}
+                launches = (decode_launches(dtype, cache_dtype, head_size, num_seqs=1, seq_len=1 << 17)
+                            + decode_launches(dtype, cache_dtype, head_size, num_seqs=256, seq_len=64)
+                            + prefill_launches(dtype, cache_dtype, head_size, [1, 70, 5], [40, 300, 5])
+                            + cache_launches(dtype, cache_dtype, head_size))
+                rows += [(case, launch) for launch in launches]
+    return rows
+
+
+def distinct_specializations(rows, arch: int) -> dict:
+    """{JIT key: (case, launch)}: each distinct specialization once (many cases share one)."""
+    out = {}
+    for case, launch in rows:
+        out.setdefault(specialize(launch, arch)[0], (case, launch))
+    return out
+
+
+_ITEMS: list = []  # compile_matrix's work list, inherited by forked workers (launches do not pickle)
+
+
+def _compile_row(index: int) -> dict:
+    arch, case, launch = _ITEMS[index]
+    try:
+        usage = compile_launch(launch, arch)
+    except Exception as e:  # reported, and the caller's check fails on it
+        usage = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+    return {"arch": arch, "kernel": launch.name, **case, **usage}
+
+
+def compile_matrix(archs=(80, 90), workers: int | None = None, **matrix) -> list[dict]:
+    """Compile every distinct specialization of the matrix for every arch, in parallel processes."""
+    rows = matrix_launches(**matrix)
+    items = [(arch, case, launch) for arch in archs
+             for case, launch in distinct_specializations(rows, arch).values()]
+    _ITEMS[:] = items
+    workers = workers or os.cpu_count() or 1
+    if workers == 1:
+        return [_compile_row(i) for i in range(len(items))]
+    import concurrent.futures
+    import multiprocessing
+    # fork: the children inherit the work list and the imported kernels.
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_compile_row, range(len(items)), chunksize=1))
 
 
 def default_config_reports(arch: int, quick: bool = False) -> list[dict]:
-    """Resources of the default config of both attention kernels over dtypes and head sizes."""
-    heads = (128,) if quick else (64, 80, 128, 256)
+    """Resources of the default config of both attention kernels (decode's split kernel and
+    prefill) over dtypes and head sizes, fp8 e4m3 caches included."""
+    heads = (128,) if quick else (64, 72, 128, 256)
     dtypes = (torch.float16, torch.float32) if quick else (torch.float16, torch.bfloat16, torch.float32)
     rows = []
     for head_size in heads:
         for dtype in dtypes:
-            # fp8 caches are read as bytes (no Triton fp8 types), so they compile on any arch
-            caches = [dtype] + ([torch.float8_e4m3fn] if dtype != torch.float32 else [])
+            caches = [dtype] + ([torch.float8_e4m3fn] if dtype != torch.float32 or not quick else [])
             for cache_dtype in caches:
-                for op, report in (("decode", decode_report), ("prefill", prefill_report)):
-                    usage = report(dtype, cache_dtype, head_size, 4, arch)
+                decode_split = decode_launches(dtype, cache_dtype, head_size, num_seqs=1, seq_len=4096)[0]
+                prefill_run = prefill_launches(dtype, cache_dtype, head_size, [1, 70, 5], [40, 300, 5])[0]
+                for op, launch in (("decode", decode_split), ("prefill", prefill_run)):
                     rows.append({"op": op, "dtype": str(dtype), "cache": str(cache_dtype),
-                                 "head_size": head_size, **usage})
+                                 "head_size": head_size, **compile_launch(launch, arch)})
     return rows
 
 

@@ -17,7 +17,8 @@ def _write_one(src_ptr, cache_ptr, scale_ptr, token, slot_block, slot_offset, he
                stride_cb, stride_ct, stride_ch,
                QUANTIZE: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
                FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
-    # heads, head_mask: [BLOCK_H, 1]; dims: [1, HEAD_PAD]; mask: [BLOCK_H, HEAD_PAD]
+    # heads (int64: heads * stride never wraps), head_mask: [BLOCK_H, 1]; dims: [1, HEAD_PAD];
+    # mask: [BLOCK_H, HEAD_PAD]
     x = tl.load(src_ptr + token * stride_src_t + heads * stride_src_h + dims, mask=mask, other=0.0)
     dst = cache_ptr + slot_block * stride_cb + slot_offset * stride_ct + heads * stride_ch + dims
     if QUANTIZE:
@@ -50,7 +51,8 @@ def _reshape_and_cache_kernel(
         return
     slot_block = slot // block_size
     slot_offset = slot % block_size
-    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[:, None]
+    # int64: in a head-major cache of a few G elements, heads * stride_ch passes 2^31.
+    heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     head_mask = heads < num_kv_heads
     mask = head_mask & (dims < HEAD_SIZE)

@@ -16,13 +16,18 @@ import triton.language as tl
 
 from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
-                      fp8_format, head_pad, kv_view, next_pow2, num_sms, scale_arg, tl_dtype)
-from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step
+                      fp8_format, head_pad, is_fp8, kv_view, next_pow2, num_sms, round_bf16, row_align, scale_arg,
+                      tl_dtype)
+from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step, store_rows
 
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Arguments that change from step to step of a serving engine are not specialized: Triton
+# would otherwise compile a variant for each value that is 1 or a multiple of 16 (the table
+# width, the split count and the partition size all change with the batch's longest sequence),
+# i.e. compile stalls mid-serving and compiles during CUDA-graph capture.
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_bt"])
 def _decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
@@ -31,8 +36,8 @@ def _decode_kernel(
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, FP8_FORMAT: tl.constexpr,
-        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+        ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Shapes are constexpr: masks against HEAD_SIZE then have compile-time constancy, which
     # is what lets Triton vectorize the K/V row loads.
     seq = tl.program_id(0).to(tl.int64)
@@ -47,12 +52,14 @@ def _decode_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < GROUP_SIZE
-    heads = kv_head * GROUP_SIZE + rows  # the query heads sharing this KV head
+    # The query heads sharing this KV head; int64 so head * stride never wraps.
+    heads = (kv_head * GROUP_SIZE + rows).to(tl.int64)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE
 
     # q: [BLOCK_M, HEAD_PAD]; padded rows are 0 and simply never stored.
-    q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+    q_rows = tl.multiple_of(seq * stride_qs + heads * stride_qh, ROW_ALIGN)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
     # fp8 caches: k_scale folds into the score scale, v_scale into the final output.
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
@@ -66,11 +73,11 @@ def _decode_kernel(
         valid = pos < end
         block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
         k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
+                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
+                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
-                                            COMPUTE_DTYPE, DOT_PRECISION)
+                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16)
 
     out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
     out_mask = row_mask[:, None] & dim_mask[None, :]
@@ -80,50 +87,69 @@ def _decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        out_rows = tl.multiple_of(seq * stride_os + heads * stride_oh, ROW_ALIGN)
+        store_rows(out_ptr + out_rows[:, None] + dims[None, :], out, out_mask, ROUND_BF16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size", "num_splits"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
                           partition_size, num_splits, stride_os, stride_oh,
-                          HEAD_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_PAD: tl.constexpr):
-    # Grid: (seq, head). Merge the valid partitions' outputs weighted by exp2(lse - max).
+                          HEAD_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                          SPLIT_CHUNK: tl.constexpr, HEAD_PAD: tl.constexpr):
+    # Grid: (seq, head). Merge the partitions that hold tokens, weighted by exp2(lse - max).
+    # SPLIT_CHUNK partitions at a time: batch-1 long-context decode uses hundreds of splits,
+    # and holding them all ([splits, HEAD_PAD] fp32) spills registers.
     seq = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < tl.cdiv(seq_len, partition_size)  # partitions that hold tokens
-    part = (seq * num_heads + head) * num_splits + splits
-    lse = tl.load(part_lse_ptr + part, mask=split_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, 0))
-    weights = weights / tl.sum(weights, 0)
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
+    first = (seq * num_heads + head) * num_splits  # part_lse / part_out row of split 0
+    chunk = tl.arange(0, SPLIT_CHUNK)
+    lse_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
+    for c in range(0, num_parts, SPLIT_CHUNK):
+        lse = tl.load(part_lse_ptr + first + c + chunk, mask=c + chunk < num_parts, other=float("-inf"))
+        lse_max = tl.maximum(lse_max, lse)
+    m = tl.max(lse_max, 0)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE
-    parts = tl.load(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :],
-                    mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(parts * weights[:, None], 0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dim_mask)
+    weight_sum = tl.zeros([SPLIT_CHUNK], tl.float32)
+    acc = tl.zeros([HEAD_PAD], tl.float32)
+    for c in range(0, num_parts, SPLIT_CHUNK):
+        splits = first + c + chunk
+        split_mask = c + chunk < num_parts
+        w = tl.exp2(tl.load(part_lse_ptr + splits, mask=split_mask, other=float("-inf")) - m)
+        weight_sum += w
+        parts = tl.load(part_out_ptr + splits[:, None] * HEAD_SIZE + dims[None, :],
+                        mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+        acc += tl.sum(parts * w[:, None], 0)
+    store_rows(out_ptr + seq * stride_os + head * stride_oh + dims, acc / tl.sum(weight_sum, 0), dim_mask,
+               ROUND_BF16)
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side: configs, split heuristic, launch.
 
+# Partitions merged per step of the reduce kernel (a fixed size: one compiled variant for any
+# split count).
+REDUCE_SPLIT_CHUNK = 16
+
 # Under the interpreter: one fixed config (no tuning), 32-token tiles keep it quick.
 DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
 
 
-def default_config(head_size: int, dtype: torch.dtype) -> dict:
+def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
     """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
 
-    Chosen from sm_90 ahead-of-time compiles (shared memory, registers, no spills): true-fp32
-    dots run on FMA units and need smaller tiles or more warps than 16-bit tensor-core dots.
+    Chosen from sm_80 and sm_90 ahead-of-time compiles without spills (tests/test_triton_compile.py):
+    true-fp32 dots run on FMA units and need smaller tiles or more warps than 16-bit tensor-core
+    dots, and decoding fp8 bytes to fp32 operands costs registers on top.
     """
     if INTERPRET:
         return dict(DEFAULT_CONFIG)
     pad = head_pad(head_size)
+    if dtype == torch.float32 and cache_dtype is not None and is_fp8(cache_dtype):
+        # Pipelining the byte loads (num_stages 2) takes every register and still spills.
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
     if dtype == torch.float32 and pad > 64:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_scale": 1.0}
     return {"BLOCK_N": 64 if pad <= 128 else 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
@@ -183,7 +209,8 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
 
     head_size, dtype = query.shape[2], query.dtype
     config = autotune.TUNERS["decode_attention"].choose(
-        device_name(query.device), key, default_config(head_size, dtype), _candidates(head_size, dtype), bench)
+        device_name(query.device), key, default_config(head_size, dtype, key_cache.dtype),
+        _candidates(head_size, dtype), bench)
     run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config)
 
 
@@ -193,7 +220,8 @@ def config_for(out, query, key_cache, value_cache, block_tables, seq_lens, scale
     count (``num_splits``); runs and benchmarks nothing."""
     head_size, dtype = query.shape[2], query.dtype
     config = autotune.TUNERS["decode_attention"].lookup(
-        device_name(query.device), tuning_key(query, key_cache, block_tables)) or default_config(head_size, dtype)
+        device_name(query.device), tuning_key(query, key_cache, block_tables)) or default_config(
+            head_size, dtype, key_cache.dtype)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = max_len_bound(block_tables, block_size)
     splits = choose_num_splits(query.shape[0], num_kv_heads, max_len, config["BLOCK_N"],
@@ -244,11 +272,15 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         GROUP_SIZE=group_size, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
         K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head, FP8_FORMAT=fp8_format(key_cache.dtype),
-        COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype), SPLIT=split,
+        COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
+        ROUND_BF16=round_bf16(query.dtype),
+        ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
+                            *value_cache.stride()[:3]),
+        SPLIT=split,
         BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_dim_pad,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if split:
         _decode_reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, seq_lens, partition, num_splits,
-            out.stride(0), out.stride(1), HEAD_SIZE=head_size,
-            SPLITS_PAD=next_pow2(num_splits), HEAD_PAD=head_dim_pad, num_warps=4)
+            out.stride(0), out.stride(1), HEAD_SIZE=head_size, ROUND_BF16=round_bf16(query.dtype),
+            SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, HEAD_PAD=head_dim_pad, num_warps=4)

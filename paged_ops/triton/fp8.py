@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import device_guard
+from ._common import device_guard, fp8_format
+from ._tiles import fp8_bits_to_float
 
 # Per fp8 format: (largest finite value, mantissa bits, exponent bias).
 FP8_FORMATS = {
@@ -78,11 +79,14 @@ def _quantize_kernel(out_ptr, in_ptr, scale_ptr, n,
 
 
 @triton.jit
-def _dequantize_kernel(out_ptr, in_ptr, scale_ptr, n, OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    # out: flat output (uint16 view when bf16), in: fp8; both contiguous [n]
+def _dequantize_kernel(out_ptr, in_ptr, scale_ptr, n, FP8_FORMAT: tl.constexpr, OUT_BF16: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    # out: flat output (uint16 view when bf16), in: uint8 view of the fp8 input; both contiguous [n].
+    # Bytes, not Triton's fp8 types: fp8e4nv does not exist before sm_89, and the byte decoding
+    # maps e4m3fn NaN to NaN and e5m2 inf to inf, as torch's cast does.
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    x = tl.load(in_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+    x = fp8_bits_to_float(tl.load(in_ptr + offs, mask=mask, other=0), FP8_FORMAT) * tl.load(scale_ptr)
     if OUT_BF16:
         tl.store(out_ptr + offs, bf16_bits(x), mask=mask)
     else:
@@ -119,7 +123,7 @@ def dequantize_fp8(out: torch.Tensor, input: torch.Tensor, scale: torch.Tensor) 
     is_bf16 = out.dtype == torch.bfloat16
     with device_guard(src):
         _dequantize_kernel[(triton.cdiv(n, _BLOCK),)](
-            target.view(torch.int16) if is_bf16 else target, src, scale, n,
-            OUT_BF16=is_bf16, BLOCK=_BLOCK)
+            target.view(torch.int16) if is_bf16 else target, src.view(torch.uint8), scale, n,
+            FP8_FORMAT=fp8_format(input.dtype), OUT_BF16=is_bf16, BLOCK=_BLOCK)
     if target is not out:
         out.copy_(target)

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
-                      fp8_format, head_pad, kv_view, next_pow2, scale_arg, tl_dtype)
-from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step
+                      fp8_format, head_pad, is_fp8, kv_view, next_pow2, round_bf16, row_align, scale_arg, tl_dtype)
+from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step, store_rows
 
 _LOG2E = 1.4426950408889634
 
@@ -43,7 +43,9 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
-@triton.jit
+# The batch size and the block-table width change from step to step of a serving engine: not
+# specialized, or Triton compiles a variant whenever one of them is 1 or a multiple of 16.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr,
@@ -53,8 +55,8 @@ def _prefill_kernel(
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_FORMAT: tl.constexpr,
-        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+        ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_SIZE
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -70,7 +72,7 @@ def _prefill_kernel(
 
     rows = tl.arange(0, BLOCK_M)
     q_pos = q_tile_start + rows // GROUP_SIZE  # position within this sequence's queries
-    heads = kv_head * GROUP_SIZE + rows % GROUP_SIZE
+    heads = (kv_head * GROUP_SIZE + rows % GROUP_SIZE).to(tl.int64)  # int64: head * stride never wraps
     row_mask = (rows < BLOCK_Q * GROUP_SIZE) & (q_pos < q_len)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE  # compile-time constancy: lets Triton vectorize row loads
@@ -78,7 +80,8 @@ def _prefill_kernel(
 
     # q: [BLOCK_M, HEAD_PAD]
     q_rows = (q_begin + q_pos).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+    q_offs = tl.multiple_of(q_rows * stride_qt + heads * stride_qh, ROW_ALIGN)
+    q = tl.load(q_ptr + q_offs[:, None] + dims[None, :],
                 mask=io_mask, other=0.0).to(COMPUTE_DTYPE)
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
 
@@ -99,33 +102,37 @@ def _prefill_kernel(
         valid = pos < kv_end
         block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
         k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE)
+                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE)
+                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= context + q_pos[:, None])
         m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
-                                            COMPUTE_DTYPE, DOT_PRECISION)
+                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16)
 
     out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
-    tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    out_offs = tl.multiple_of(q_rows * stride_ot + heads * stride_oh, ROW_ALIGN)
+    store_rows(out_ptr + out_offs[:, None] + dims[None, :], out, io_mask, ROUND_BF16)
 
 
 # Under the interpreter: one fixed config (no tuning).
 DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
-def default_config(head_size: int, dtype: torch.dtype) -> dict:
+def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
     """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
 
-    Chosen from sm_90 ahead-of-time compiles to fit shared memory without register spills:
-    true-fp32 dots run on FMA units and need much smaller tiles than 16-bit tensor-core dots.
+    Chosen from sm_80 and sm_90 ahead-of-time compiles to fit shared memory without register
+    spills (tests/test_triton_compile.py): true-fp32 dots run on FMA units and need much smaller
+    tiles than 16-bit tensor-core dots, and decoding fp8 bytes to fp32 operands costs registers.
     """
     if INTERPRET:
         return dict(DEFAULT_CONFIG)
     pad = head_pad(head_size)
+    if dtype == torch.float32 and cache_dtype is not None and is_fp8(cache_dtype):
+        # Pipelining the byte loads (num_stages 2) takes every register and still spills.
+        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
     if dtype == torch.float32:
         if pad <= 64:
             return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
@@ -134,6 +141,8 @@ def default_config(head_size: int, dtype: torch.dtype) -> dict:
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
     if pad > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if pad > 64:  # 128-wide rows: 4 warps spill on sm_80
+        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -173,7 +182,7 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
             max_seqlen_q, scale, causal, k_scale, v_scale, config))
 
     config = autotune.TUNERS["prefill_attention"].choose(
-        device_name(query.device), key, default_config(query.shape[2], query.dtype),
+        device_name(query.device), key, default_config(query.shape[2], query.dtype, key_cache.dtype),
         _candidates(query.shape[2], query.dtype), bench)
     run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_seqlen_q, scale, causal, k_scale, v_scale, config)
@@ -184,7 +193,7 @@ def config_for(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, s
     """The config a prefill_attention call with these arguments would use; runs nothing."""
     key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal)
     return dict(autotune.TUNERS["prefill_attention"].lookup(device_name(query.device), key)
-                or default_config(query.shape[2], query.dtype))
+                or default_config(query.shape[2], query.dtype, key_cache.dtype))
 
 
 def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
@@ -214,5 +223,8 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
             CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
             FP8_FORMAT=fp8_format(key_cache.dtype),
             COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
+            ROUND_BF16=round_bf16(query.dtype),
+            ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
+                                *value_cache.stride()[:3]),
             BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_pad(head_size),
             num_warps=config["num_warps"], num_stages=config["num_stages"])
