@@ -18,7 +18,7 @@ import paged_ops
 from paged_ops.testing import assert_close, make_case, nan_like
 
 emu = paged_ops.backend("cuda_emu")
-selftest = torch.ops.paged_cuda_emu_selftest
+selftest = torch.ops.paged_cuda_emu_test
 
 GROUPS = (1, 2, 4, 7, 8)
 HEAD_SIZES = (64, 80, 96, 128, 256)

@@ -1,6 +1,6 @@
 """The strict CUDA emulator (csrc/emu/cuda_emu.h, issue #11 item 2): each rule a GPU enforces and
 x86 does not, checked against NVIDIA's documents (PTX ISA, CUDA C++ Programming Guide), and each
-shown to catch a kernel that breaks it (torch.ops.paged_cuda_emu_selftest.strict runs tiny rule-
+shown to catch a kernel that breaks it (torch.ops.paged_cuda_emu_test.strict runs tiny rule-
 breaking kernels, csrc/cuda_emu/selftest.cpp).
 
   * alignment: every pointer a kernel makes with reinterpret_cast is checked against the alignment
@@ -30,7 +30,7 @@ import torch
 
 import paged_ops  # noqa: F401  (loads the extension)
 
-selftest = torch.ops.paged_cuda_emu_selftest
+selftest = torch.ops.paged_cuda_emu_test
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -134,7 +134,7 @@ def test_missing_barrier_caught_out_of_order(schedule, mode):
 
 def test_schedule_from_environment():
     # The default (random, seed 0) and CUDA_EMU_SCHEDULE, read at every launch.
-    code = ("import torch, paged_ops; s = torch.ops.paged_cuda_emu_selftest; "
+    code = ("import torch, paged_ops; s = torch.ops.paged_cuda_emu_test; "
             "print(bool((s.strict('missing_barrier')[:8] == 8256).all()))")
     run = lambda env: subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,  # noqa: E731
                                      env={**os.environ, **env}, check=True).stdout.split()[-1]

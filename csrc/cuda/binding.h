@@ -204,10 +204,18 @@ inline void copy_blocks(const Target& tgt, at::TensorList key_caches, at::Tensor
   for (const Tensor& c : value_caches) descs.push_back(cache_desc(c));
   TORCH_CHECK_VALUE(int64_t(descs.size()) <= kMaxGridYZ, "copy_blocks: too many caches (", descs.size(), ")");
   const at::Device dev = key_caches[0].device();
-  Tensor host = at::empty({int64_t(descs.size() * sizeof(CacheDesc))}, at::kByte);
+  // Host -> GPU through pinned memory with non_blocking copies: ordered on the stream, no sync
+  // (torch's pinned allocator keeps each buffer alive until its copy has run).
+  const bool to_gpu = dev.is_cuda();
+  Tensor host = at::empty({int64_t(descs.size() * sizeof(CacheDesc))},
+                          at::TensorOptions(at::kByte).pinned_memory(to_gpu));
   std::memcpy(host.data_ptr(), descs.data(), descs.size() * sizeof(CacheDesc));
-  const Tensor on_dev = host.to(dev);
-  const Tensor mapping = block_mapping.to(dev).contiguous();
+  const Tensor on_dev = host.to(dev, /*non_blocking=*/true);
+  Tensor mapping = block_mapping.contiguous();
+  if (mapping.device() != dev) {
+    if (to_gpu && mapping.is_cpu() && !mapping.is_pinned()) mapping = mapping.pin_memory();
+    mapping = mapping.to(dev, /*non_blocking=*/true);
+  }
   tgt.cache->copy_blocks(reinterpret_cast<const CacheDesc*>(on_dev.data_ptr()), int(descs.size()),
                          mapping.data_ptr<int64_t>(), mapping.size(0), tgt.stream);
 }

@@ -1,5 +1,5 @@
 // Self-tests of the emulator itself, callable from Python (tests/test_cuda_emu.py):
-// torch.ops.paged_cuda_emu_selftest.<op>. They launch tiny kernels that either compute something
+// torch.ops.paged_cuda_emu_test.<op>. They launch tiny kernels that either compute something
 // the test checks (warp shuffles, votes, atomics, barriers, shared memory) or break a rule of the
 // CUDA model on purpose (the op must raise, never hang or abort).
 #include <ATen/ATen.h>
@@ -429,7 +429,8 @@ void misuse(const std::string& what) {
 
 }  // namespace
 
-TORCH_LIBRARY(paged_cuda_emu_selftest, m) {
+// A fragment of the test namespace (csrc/cuda_emu/ops.cpp defines it): test-only ops live apart from the backend.
+TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("warp_ops(Tensor input) -> Tensor", &warp_ops);
   m.def("atomics(int blocks, int threads) -> float[]", &atomics);
   m.def("misuse(str what) -> ()", &misuse);
