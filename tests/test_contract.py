@@ -1,6 +1,8 @@
 """The op contract itself: opcheck, torch.compile, bad-input errors, backend selection."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -239,7 +241,10 @@ PYTHON_VALIDATOR_MESSAGES = {
 def test_bad_input_message_matches_python_validator(what, names, call):
     with pytest.raises(ValueError) as raised:
         call()
-    assert str(raised.value) == PYTHON_VALIDATOR_MESSAGES[what]
+    expected = re.escape(PYTHON_VALIDATOR_MESSAGES[what])
+    if what == "block id outside cache":  # the smallest used id depends on make_case's random tables
+        expected = expected.replace("min\\ 0", r"min\ \d+")
+    assert re.fullmatch(expected, str(raised.value)), (str(raised.value), PYTHON_VALIDATOR_MESSAGES[what])
 
 
 def test_bad_input_leaves_outputs_untouched():
@@ -282,7 +287,7 @@ def _decode_on(key_cache, query=None):
     out = torch.empty(1, 1, query.shape[2]).expand(query.shape)
     return lambda: torch.ops.paged.decode_attention(
         out, query, key_cache, key_cache, torch.zeros(num_seqs, 1, dtype=torch.int32),
-        torch.ones(num_seqs, dtype=torch.int32), 1.0)
+        torch.ones(num_seqs, dtype=torch.int32), 1.0, None, None)
 
 
 def new_rejections():
@@ -295,34 +300,32 @@ def new_rejections():
     yield "0 kv heads, decode", "num_kv_heads", _decode_on(no_kv_heads, torch.randn(2, 4, 16))
     yield "0 kv heads, prefill", "num_kv_heads", lambda: torch.ops.paged.prefill_attention(
         torch.empty(2, 4, 16), torch.randn(2, 4, 16), no_kv_heads, no_kv_heads, torch.zeros(1, 1, dtype=torch.int32),
-        torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), 2, 1.0, True)
+        torch.tensor([0, 2], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), 2, 1.0, True, None, None)
     yield "0 query heads", "num_heads", _decode_on(torch.randn(4, 4, 2, 16), torch.randn(2, 0, 16))
     # #12 item 3: sizes past int32 (stride-0 views cost no memory) were narrowed in the kernels
     # after validation saw the real value: a segfault / an out-of-bounds write.
     huge_block = torch.ones(1, 1, 1, 8).expand(1, 2**32 + 16, 1, 8)
-    yield "block_size past int32, decode", "block_size", _decode_on(huge_block)
-    yield "block_size past int32, reshape_and_cache", "block_size", lambda: torch.ops.paged.reshape_and_cache(
+    yield "block_size past int32, decode", "key_cache: block_size .* does not fit", _decode_on(huge_block)
+    yield "block_size past int32, reshape_and_cache", "key_cache: block_size .* does not fit", lambda: torch.ops.paged.reshape_and_cache(
         torch.randn(1, 1, 8), torch.randn(1, 1, 8), huge_block, huge_block, torch.tensor([0]), None, None)
-    huge_heads = torch.ones(1, 1, 1, 8).expand(1, 1, INT32_MAX + 1, 8)
-    yield "num_kv_heads past int32", "num_kv_heads", _decode_on(huge_heads)
     many_heads = torch.ones(1, 1, 8).expand(1, INT32_MAX + 1, 8)
-    yield "num_heads past int32", "num_heads", _decode_on(torch.ones(1, 1, 1, 8), many_heads)
+    huge_heads = torch.ones(1, 1, 1, 8).expand(1, 1, INT32_MAX + 1, 8)
+    yield "num_kv_heads past int32", "key_cache: num_kv_heads .* does not fit", _decode_on(huge_heads, many_heads)
+    yield "num_heads past int32", "query: num_heads .* does not fit", _decode_on(torch.ones(1, 1, 1, 8), many_heads)
     many_tokens = torch.ones(1, 1, 8).expand(INT32_MAX + 1, 1, 8)
-    yield "num_tokens past int32", "num_tokens", lambda: torch.ops.paged.prefill_attention(
+    yield "num_tokens past int32", "query: num_tokens .* does not fit", lambda: torch.ops.paged.prefill_attention(
         many_tokens, many_tokens, torch.ones(1, 1, 1, 8), torch.ones(1, 1, 1, 8), torch.zeros(1, 1, dtype=torch.int32),
-        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 1, 1.0, True)
+        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), 1, 1.0, True, None, None)
     c = small_case()
-    yield "max_seqlen_q past int32", "max_seqlen_q", lambda: torch.ops.paged.prefill_attention(
-        *c.prefill_args(nan_like(c.query))[:7], 2**31, c.scale, True)
-    yield "max_seqlen_q negative", "max_seqlen_q", lambda: torch.ops.paged.prefill_attention(
-        *c.prefill_args(nan_like(c.query))[:7], -1, c.scale, True)
+    yield "max_seqlen_q past int32", "max_seqlen_q: .* does not fit", lambda: torch.ops.paged.prefill_attention(
+        *c.prefill_args(nan_like(c.query))[:7], 2**31, c.scale, True, None, None)
     # #12 item 7: a meta tensor among CPU tensors went to the fake kernel, which returned
     # without validating or writing `out`.
     d = decode_case()
     yield "meta query, cpu out", "query", lambda: torch.ops.paged.decode_attention(
         nan_like(d.query), d.query.to("meta"), *d.decode_args(None)[2:])
     yield "meta cache, cpu query", "key_cache", lambda: torch.ops.paged.reshape_and_cache(
-        d.query[:, :2], d.query[:, :2], d.key_cache.to("meta"), d.value_cache, torch.tensor([0, 1]))
+        d.query[:, :2], d.query[:, :2], d.key_cache.to("meta"), d.value_cache, torch.tensor([0, 1]), None, None)
     yield "meta swap src, cpu dst", "src", lambda: torch.ops.paged.swap_blocks(
         d.key_cache.to("meta"), d.key_cache.clone(), torch.tensor([[0, 1]]))
 
@@ -350,11 +353,11 @@ def test_content_checks_only_read_used_block_table_entries():
     bt = d.block_tables.clone()
     bt[0, 1:] = -7  # sequence 0 (3 tokens) uses only entry 0
     out = nan_like(d.query)
-    torch.ops.paged.decode_attention(out, d.query, d.key_cache, d.value_cache, bt, d.seq_lens, d.scale)
+    torch.ops.paged.decode_attention(out, d.query, d.key_cache, d.value_cache, bt, d.seq_lens, d.scale, None, None)
     assert_close(out, d.reference_prefill(), d.dtype)
     bt[1, 2] = -1  # sequence 1 (17 tokens) uses entries 0..2
     with pytest.raises(ValueError, match="block_tables holds a block id outside the cache"):
-        torch.ops.paged.decode_attention(out, d.query, d.key_cache, d.value_cache, bt, d.seq_lens, d.scale)
+        torch.ops.paged.decode_attention(out, d.query, d.key_cache, d.value_cache, bt, d.seq_lens, d.scale, None, None)
 
 
 # --- defaults, keywords, backend selection (#12 items 9, 10, 11) -----------------------------
@@ -520,7 +523,7 @@ def test_torch_compile_dynamic_batch_and_max_seqlen_q_recompiles_at_most_once():
 
     def step(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q, scale):
         torch.ops.paged.prefill_attention(out, query * 1.0, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                          seq_lens, max_seqlen_q, scale, True)
+                                          seq_lens, max_seqlen_q, scale, True, None, None)
         return out.sum(-1)
 
     compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)

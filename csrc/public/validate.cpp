@@ -122,9 +122,9 @@ void check_head_size(const char* name, int64_t head_size) {
                     head_size, " is not supported (must be a multiple of 8, at most ", kMaxHeadSize, ")");
 }
 
-// A cache [num_blocks, block_size, num_kv_heads, head_size]: every size fits the kernels' ints.
+// A cache [num_blocks, block_size, num_kv_heads, head_size]: the sizes the kernels hold in ints
+// (block ids are int32 in block_tables; num_blocks itself is only compared against, in 64 bits).
 void check_cache_sizes(const std::string& name, const Tensor& c) {
-  check_fits("num_blocks (shape[0])", c.size(0), name);
   check_fits("block_size (shape[1])", c.size(1), name);
   check_fits("num_kv_heads (shape[2])", c.size(2), name);
 }
@@ -181,6 +181,7 @@ void check_query_out(const Tensor& out, const Tensor& query, const Tensor& key_c
   TORCH_CHECK_VALUE(num_heads >= 1, "query num_heads (query.shape[1]) must be >= 1, got ", num_heads);
   TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "query num_heads ", num_heads,
                     " is not a multiple of the cache's num_kv_heads ", num_kv_heads);
+  // Query rows are counted by int32 cu_seqlens_q.
   check_fits("num_tokens (shape[0])", query.size(0), "query");
   check_fits("num_heads (shape[1])", num_heads, "query");
   TORCH_CHECK_VALUE(key_cache.scalar_type() == query.scalar_type() || is_fp8(key_cache.scalar_type()),
@@ -295,7 +296,6 @@ void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tenso
   TORCH_CHECK_VALUE(key_cache.scalar_type() == key.scalar_type() || is_fp8(key_cache.scalar_type()),
                     "key_cache dtype ", dtype_str(key_cache.scalar_type()), " must be the key dtype ",
                     dtype_str(key.scalar_type()), " or an fp8 dtype");
-  check_fits("num_tokens (shape[0])", key.size(0), "key");
   check_index_tensor("slot_mapping", slot_mapping, at::kLong, 1, device);
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
                     " entries but key has ", key.size(0), " tokens");
