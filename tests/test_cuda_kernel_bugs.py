@@ -112,3 +112,17 @@ def test_environment_is_not_a_launch_api(monkeypatch):
     out = nan_like(case.query)
     emu.decode_attention(*case.decode_args(out))
     assert_close(out, case.reference_prefill(), case.dtype)
+
+
+# ---- sizes past the kernels' 32-bit index are rejected, not narrowed (issue #12 item 3) -----------
+
+def test_backend_op_rejects_block_size_past_int32():
+    # The backend's own op (no public validation in front): a stride-0 view with 2^32 + 16 slots per
+    # block used to be narrowed to 16 and read/written past the tensor.
+    kc = torch.ones(1, 1, 1, 8).expand(1, 2**32 + 16, 1, 8)
+    q = torch.randn(1, 1, 8)
+    with pytest.raises(ValueError, match="block_size"):
+        torch.ops.paged_cuda_emu.decode_attention(torch.empty_like(q), q, kc, kc, torch.zeros(1, 1, dtype=torch.int32),
+                                                  torch.ones(1, dtype=torch.int32), 1.0, None, None)
+    with pytest.raises(ValueError, match="block_size"):
+        torch.ops.paged_cuda_emu.reshape_and_cache(q, q, kc, kc, torch.zeros(1, dtype=torch.int64), None, None)
