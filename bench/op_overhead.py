@@ -26,7 +26,7 @@ NUM_SEQS, CONTEXT, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 4, 64, 8, 2,
 PREFILL_Q_LEN = 4  # new tokens per sequence in the prefill row (chunked prefill over cached context)
 
 
-CHUNKS = 20  # the calls of each variant, in interleaved chunks
+CHUNKS = 100  # the calls of each variant, in interleaved chunks
 
 
 def _per_call_us(variants, args, calls: int) -> list[float]:
