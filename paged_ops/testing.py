@@ -1,16 +1,17 @@
 """Test utilities for paged ops (as ``torch.testing`` is for torch): random paged batches, NaN
 poisoning, the error budget and its assertions.
 
-Every correctness check of the project — the test suite, ``bench/demo.py``, the benchmarks'
-input sets — builds its batches here, so "a random paged batch" and "close enough" mean one
+Every correctness check of the project — the test suite, ``python -m paged_ops.demo``, the
+benchmarks' input sets (bench/kernels.py, bench/triton_bench.py, bench/decode_table.py) — builds its
+batches here, so "a random paged batch" and "close enough" mean one
 thing everywhere:
 
 - ``make_case`` builds a batch of sequences whose first ``seq_lens[s]`` tokens are cached
   (stored as the reference ``reshape_and_cache`` stores them, so fp8 caches hold exactly the
   bits the contract says). Blocks are handed out in random order; the spare blocks no table reaches and
   the slots past each sequence's length hold NaN, and block-table entries past a sequence's
-  length hold garbage ids (negative, past the cache, 2^30): a kernel that reads any of them
-  fails the budget with NaN or faults.
+  length hold garbage ids (other sequences' blocks, negative ids, ids past the cache, 2^30): a
+  kernel that reads any of them fails the budget (NaN or someone else's tokens) or faults.
 - ``TOLERANCE`` is the budget: relative L2 error against ``paged_ops.reference`` run in
   float64 on the same stored inputs; ``rel_err`` measures it (NaN anywhere gives NaN) and
   ``assert_close`` checks it.
@@ -262,7 +263,7 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
     num_blocks = max(used + spare, 1)
     max_blocks = max(blocks_per_seq + [1]) + spare_columns
     perm = torch.randperm(num_blocks, generator=g_cpu).to(torch.int32)
-    # Entries past a sequence's length: ids before the cache, past it, and 2^30, mixed.
+    # Entries past a sequence's length: real blocks, ids before the cache, past it, and 2^30, mixed.
     block_tables = torch.randint(-5, num_blocks * 3, (len(seq_lens), max_blocks), generator=g_cpu).to(torch.int32)
     block_tables[:, -1] = GARBAGE_BLOCK_ID
     taken = 0

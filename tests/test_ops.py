@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 import paged_ops
 from paged_ops import reference
-from paged_ops.testing import (FP8_DTYPES, assert_bits_equal, assert_close, bits, empty_cache, make_case,
-                               nan_like, poison, ragged_lens)
+from paged_ops.testing import (FP8_DTYPES, GARBAGE_BLOCK_ID, assert_bits_equal, assert_close, bits, empty_cache,
+                               make_case, nan_like, poison, ragged_lens)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -366,6 +366,25 @@ def test_public_op_with_backend_forced(backend):
     assert_close(out, c.reference_decode(), F16)
 
 
+@pytest.mark.parametrize("layout,cache_dtype", [("NHD", None), ("HND", E4M3)])
+def test_make_case_poisons_what_no_sequence_reads(layout, cache_dtype):
+    # The premise of every attention test above: exactly the slots of tokens < seq_len hold
+    # numbers; every other slot is NaN and every table entry past a sequence's length is garbage.
+    block_size = 16
+    c = make_case([1, 16, 33], [1, 5, 33], num_heads=4, num_kv_heads=2, block_size=block_size, dtype=BF16,
+                  cache_dtype=cache_dtype, layout=layout, scale_kind="head")
+    used = torch.zeros(c.key_cache.shape[:2], dtype=torch.bool)
+    for s, n in enumerate(c.seq_lens.tolist()):
+        pos = torch.arange(n)
+        used[c.block_tables[s, pos // block_size].long(), pos % block_size] = True
+    assert (c.block_tables[:, -1] == GARBAGE_BLOCK_ID).all()
+    assert used.sum() == c.seq_lens.sum(), "two tokens share a slot"
+    for cache in (c.key_cache, c.value_cache):
+        values = cache.float()
+        assert values[~used].isnan().all() and not values[used].isnan().any()
+    assert c.q_lens == [1, 5, 33] and c.max_seqlen_q == 33 and c.query.shape == (39, 4, 64)
+
+
 # ---------------------------------------------------------------------------------------------
 # reshape_and_cache
 
@@ -446,7 +465,7 @@ def fp8_probe(dtype: torch.dtype, fp8: torch.dtype) -> torch.Tensor:
 
 
 def nan_inputs(dtype: torch.dtype) -> torch.Tensor:
-    """NaNs of both signs with random payloads (torch's own NaN among them)."""
+    """Quiet NaNs of both signs with random payloads, torch's own NaN among them."""
     g = torch.Generator().manual_seed(9)
     width, exp_bits = {F32: (32, 8), F16: (16, 5), BF16: (16, 8)}[dtype]
     mant = width - 1 - exp_bits
@@ -517,10 +536,17 @@ def test_quantize_dequantize(backend, dtype, fp8):
 # ---------------------------------------------------------------------------------------------
 # copy_blocks / swap_blocks
 
+def moved(cache: torch.Tensor, device, layout: str) -> torch.Tensor:
+    """The cache on device with its layout (an HND cache stays head-major in memory)."""
+    if layout == "NHD":
+        return cache.to(device)
+    return cache.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+
+
 def random_cache(num_blocks, block_size, heads, head_size, dtype, layout, g, device="cpu"):
     c = empty_cache(num_blocks, block_size, heads, head_size, dtype, layout)
     c.copy_(torch.randn(c.shape, generator=g).to(dtype))
-    return c.to(device) if layout == "NHD" else c.transpose(1, 2).contiguous().to(device).transpose(1, 2)
+    return moved(c, device, layout)
 
 
 @pytest.mark.parametrize("backend,dtype,block_size",
@@ -560,9 +586,7 @@ def test_copy_blocks_layers_of_different_dtypes(backend, layout):
     mapping = torch.tensor([[0, 5], [2, 6], [1, 7]])
     want_k, want_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
     reference.copy_blocks(want_k, want_v, mapping)
-    move = (lambda c: c) if device == "cpu" else (lambda c: c.transpose(1, 2).contiguous().to(device).transpose(1, 2)
-                                                  if layout == "HND" else c.to(device))
-    kcs, vcs = [move(c) for c in kcs], [move(c) for c in vcs]
+    kcs, vcs = [moved(c, device, layout) for c in kcs], [moved(c, device, layout) for c in vcs]
     paged_ops.backend(backend).copy_blocks(kcs, vcs, mapping.to(device))
     sync(device)
     for a, b in zip(kcs + vcs, want_k + want_v):
@@ -586,8 +610,7 @@ def test_swap_blocks(backend, dtype, src_layout, dst_layout):
     directions = [(device, device)] + ([("cuda", "cpu"), ("cpu", "cuda")] if device == "cuda" else [])
     for src_device, dst_device in directions:
         dst = empty_cache(7, 3, 2, 16, dtype, dst_layout, dst_device)
-        moved = src.to(src_device) if src_layout == "NHD" else src.transpose(1, 2).contiguous().to(src_device).transpose(1, 2)
-        paged_ops.backend(backend).swap_blocks(moved, dst, mapping)
+        paged_ops.backend(backend).swap_blocks(moved(src, src_device, src_layout), dst, mapping)
         sync(device)
         assert_bits_equal(dst, want, f"{src_device} -> {dst_device}")
         assert torch.isnan(dst[1].float()).all(), "a block outside the mapping was written"
