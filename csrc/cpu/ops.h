@@ -1,5 +1,5 @@
-// The cpu backend: C++/OpenMP kernels, fp32 accumulation. Inputs are validated in Python
-// (paged_ops/_validate.py) before they get here.
+// The cpu backend: C++/OpenMP kernels; attention computes in fp32 and keeps its running sums in fp64.
+// Inputs are validated before they get here (the public op path, csrc/public/).
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <optional>
