@@ -11,8 +11,8 @@
 # benchmarks (decode 32 seqs x 8k tokens, 32/8 heads, d128, bf16 block sweep; cuda and triton vs
 # device copy bandwidth, bf16 matmul, FlexAttention paged decode; prefill vs SDPA flash). Without a
 # GPU: the small CPU benchmarks only.
-# Every step has a time limit (BUILD_S 150 + TESTS_S 90 + DEVICE_S 35 + MEMCHECK_S 40 + RACECHECK_S 30
-# + SYNCCHECK_S 20 + ENGINE_S 30 + BENCH_S 80 = 475 s: under 8 minutes); results (JSON, PNG) and logs go to
+# Every step has a time limit (BUILD_S 150 + TESTS_S 90 + CONTRACT_S 100 + DEVICE_S 35 + MEMCHECK_S 40
+# + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 30 + BENCH_S 80 = 575 s: under 10 minutes); results (JSON, PNG) and logs go to
 # bench/results/device-check-<UTC time>/ and
 # are copied to $OUT when it is set. Exit status: non-zero if any step failed.
 set -uo pipefail
@@ -53,6 +53,10 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     step build "${BUILD_S:-150}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     GPU_TESTS=$(ls tests/test_cuda_gpu.py tests/test_triton.py 2>/dev/null)
     step gpu-tests "${TESTS_S:-90}" "$PY" -m pytest -q -x -p no:cacheprovider $GPU_TESTS
+    # the op contract on CUDA tensors: tests/test_ops.py's cuda and triton cases (its cpu and
+    # cuda_emu cases run in `make test`)
+    step gpu-contract "${CONTRACT_S:-100}" "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py \
+        -k "[cuda- or [cuda] or [triton- or [triton]"
     # what the emulator cannot prove: vector widths on odd views, padded tensor-core head sizes, a
     # cache past 2^31 elements (2 x 5.4 GB), the kernel-bug regressions on the GPU kernels
     step device-checks "${DEVICE_S:-35}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_device_checks.py

@@ -6,13 +6,13 @@ Inputs come from ``paged_ops.testing``: fresh random batches whose output rows, 
 slots and blocks hold NaN and whose block tables hold garbage ids past each sequence's length,
 so a kernel that reads or skips anything it should not fails the budget.
 
-Each backend runs the grid its speed allows (``TIER``): native kernels (cpu, and cuda / triton
-on a GPU) the full grid; the CUDA emulator (every GPU thread a fiber) a pairwise cover of the
-same axes; the Triton interpreter (numpy) a smaller hand-picked cover. Every case of the
-interpreter's grid runs on every backend, and the full grid holds every axis value of the
-pairwise one. What is specific to one backend (forced split paths and launch
-configurations, tuners, the emulator's self-tests, fp8 bit probes of vectorized code) stays
-in that backend's file.
+Each backend runs the attention grid its cost allows (``TIER``): cpu and cuda the full grid; the
+CUDA emulator (every GPU thread a fiber) a pairwise cover of the same axes; Triton a smaller
+hand-picked cover (under the interpreter every case is numpy, on a GPU every new shape is a JIT
+compile). Every case of the small grid runs on every backend, and the full grid holds every axis
+value of the pairwise one. What is specific to one backend (forced split paths and launch
+configurations, tuners, the emulator's self-tests, fp8 bit probes of vectorized code) stays in
+that backend's file.
 """
 from __future__ import annotations
 
@@ -44,16 +44,7 @@ def device_of(name: str) -> str:
     return "cuda" if torch.cuda.is_available() and "cuda" in paged_ops.backend(name).devices else "cpu"
 
 
-def tier(name: str) -> str:
-    if name == "cuda_emu":
-        return "pairwise"
-    if name == "triton" and device_of(name) == "cpu":
-        return "interp"
-    return "full"
-
-
-TIER = {name: tier(name) for name in BACKENDS}
-TIERS = ("interp", "pairwise", "full")
+TIER = {name: {"cuda_emu": "pairwise", "triton": "small"}.get(name, "full") for name in BACKENDS}
 
 
 @pytest.fixture(autouse=True)
@@ -111,8 +102,8 @@ def _rotate(seq, i):
 
 
 # -- decode --
-# Triton's interpreter cover: block size x group x head size x dtype x layout x fp8 format/scale.
-DECODE_INTERP = [Attn(tuple(lens), None, g, kvh, d, bs, dt, cd, lay, sk or "tensor")
+# The small cover (Triton's): block size x group x head size x dtype x layout x fp8 format/scale.
+DECODE_SMALL = [Attn(tuple(lens), None, g, kvh, d, bs, dt, cd, lay, sk or "tensor")
                  for dt, cd, bs, kvh, g, d, lay, lens, sk in [
                      (F32, F32, 16, 2, 1, 64, "NHD", [1, 16, 33], None),
                      (F16, F16, 1, 1, 2, 80, "HND", [1, 5, 9], None),
@@ -176,7 +167,7 @@ DECODE_FULL = (
 
 # -- prefill: fresh prompts (q_len = seq_len), chunked prefill over cached context, decode rows
 # (q_len = 1) and sequences with nothing to compute (q_len = 0), in one varlen batch --
-PREFILL_INTERP = [Attn(tuple(lens), tuple(q), g, kvh, d, bs, dt, cd, lay, sk or "tensor", causal, seed=1)
+PREFILL_SMALL = [Attn(tuple(lens), tuple(q), g, kvh, d, bs, dt, cd, lay, sk or "tensor", causal, seed=1)
                   for dt, cd, bs, kvh, g, d, lay, lens, q, causal, sk in [
                       (F32, F32, 16, 2, 1, 64, "NHD", [16, 40, 5], [16, 40, 5], True, None),
                       (F16, F16, 1, 1, 2, 80, "HND", [9, 30], [9, 12], True, None),
@@ -232,10 +223,10 @@ def _unique(cases):
 
 
 GRIDS = {
-    "decode": {"interp": DECODE_INTERP, "pairwise": _unique(DECODE_INTERP + DECODE_PAIRWISE_CORE + DECODE_WIDE),
-               "full": _unique(DECODE_INTERP + DECODE_WIDE + DECODE_FULL)},
-    "prefill": {"interp": PREFILL_INTERP, "pairwise": _unique(PREFILL_INTERP + PREFILL_PAIRWISE),
-                "full": _unique(PREFILL_INTERP + PREFILL_PAIRWISE + PREFILL_FULL)},
+    "decode": {"small": DECODE_SMALL, "pairwise": _unique(DECODE_SMALL + DECODE_PAIRWISE_CORE + DECODE_WIDE),
+               "full": _unique(DECODE_SMALL + DECODE_WIDE + DECODE_FULL)},
+    "prefill": {"small": PREFILL_SMALL, "pairwise": _unique(PREFILL_SMALL + PREFILL_PAIRWISE),
+                "full": _unique(PREFILL_SMALL + PREFILL_PAIRWISE + PREFILL_FULL)},
 }
 
 
@@ -281,15 +272,15 @@ def test_prefill_attention(backend, case):
     assert_close(out, c.reference_prefill(case.causal), c.dtype)
 
 
-FUZZ_EXAMPLES = {"interp": int(os.environ.get("PAGED_OPS_HYPOTHESIS_EXAMPLES", 12)), "pairwise": 8, "full": 25}
+FUZZ_EXAMPLES = {"small": int(os.environ.get("PAGED_OPS_HYPOTHESIS_EXAMPLES", 12)), "pairwise": 8, "full": 25}
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_random_shapes_decode_and_prefill(backend):
     """Property test over the grids' axes combined at random (derandomized: reproducible):
-    decode and prefill on one random batch. PAGED_OPS_HYPOTHESIS_EXAMPLES raises the
-    interpreter's count for a longer hunt."""
-    device, interp = device_of(backend), TIER[backend] == "interp"
+    decode and prefill on one random batch. PAGED_OPS_HYPOTHESIS_EXAMPLES sets Triton's count
+    (12) for a longer hunt."""
+    device, small = device_of(backend), TIER[backend] == "small"
     ops = paged_ops.backend(backend)
 
     @settings(max_examples=FUZZ_EXAMPLES[TIER[backend]], deadline=None, derandomize=True,
@@ -301,8 +292,8 @@ def test_random_shapes_decode_and_prefill(backend):
         num_kv_heads = data.draw(st.integers(1, 3), "num_kv_heads")
         group = data.draw(st.sampled_from([1, 2, 3, 4, 7, 8]), "group")
         block_size = data.draw(st.sampled_from([1, 2, 3, 5, 8, 16, 32]), "block_size")
-        head_size = data.draw(st.sampled_from([8, 24, 64, 80, 96, 128] + ([] if interp else [256])), "head_size")
-        seq_lens = data.draw(st.lists(st.integers(1, 48 if interp else 90), min_size=1, max_size=4), "seq_lens")
+        head_size = data.draw(st.sampled_from([8, 24, 64, 80, 96, 128] + ([] if small else [256])), "head_size")
+        seq_lens = data.draw(st.lists(st.integers(1, 48 if small else 90), min_size=1, max_size=4), "seq_lens")
         q_lens = [data.draw(st.integers(0, n), "q_len") for n in seq_lens]
         kw = dict(num_heads=num_kv_heads * group, num_kv_heads=num_kv_heads, head_size=head_size,
                   block_size=block_size, dtype=dtype, cache_dtype=cache_dtype,

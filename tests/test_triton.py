@@ -1,5 +1,5 @@
 """What is specific to the Triton backend; the op contract runs for every backend in
-tests/test_ops.py (here: its interpreter grid on CPU tensors, the full grid on a GPU).
+tests/test_ops.py (Triton runs its small grid there, on CPU tensors here and CUDA tensors on a GPU).
 
 Without a GPU the kernels run under the Triton interpreter on CPU tensors; the variable must
 be set before the kernel modules are imported (Triton decides interpreter vs. compiler when a
@@ -27,7 +27,7 @@ from paged_ops.testing import assert_bits_equal, assert_close, make_case, nan_li
 from paged_ops.triton import autotune, decode, prefill
 from paged_ops.triton._common import INTERPRET, fp8_format
 from paged_ops.triton._tiles import fp8_bits_to_float
-from tests.test_ops import DECODE_INTERP
+from tests.test_ops import DECODE_SMALL
 import triton
 import triton.language as tl
 
@@ -56,15 +56,15 @@ def test_interpreter_flag_took_effect():
 # ---------------------------------------------------------------------------------------------
 # decode: forced flash-decoding splits
 
-# Split counts forced on test_ops' interpreter decode cases (the router's calls take the
+# Split counts forced on test_ops' small decode grid (the router's calls take the
 # occupancy heuristic, which picks one split for most of these short sequences).
 FORCED_SPLITS = {2: 3, 3: 4, 4: 2, 5: 1, 6: 4, 7: 3, 9: 3, 11: 2, 12: 3, 13: 2, 14: 2}
 
 
 @pytest.mark.parametrize("index,splits", sorted(FORCED_SPLITS.items()),
-                         ids=[f"{DECODE_INTERP[i].id}-splits{n}" for i, n in sorted(FORCED_SPLITS.items())])
+                         ids=[f"{DECODE_SMALL[i].id}-splits{n}" for i, n in sorted(FORCED_SPLITS.items())])
 def test_decode_forced_splits(index, splits):
-    case = DECODE_INTERP[index].build(DEVICE)
+    case = DECODE_SMALL[index].build(DEVICE)
     out = nan_like(case.query)
     # 16-token tiles so that even these short sequences can be cut into several partitions
     used = decode.run_decode(*case.decode_args(out), dict(decode.DEFAULT_CONFIG, BLOCK_N=16), num_splits=splits)
