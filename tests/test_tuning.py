@@ -305,3 +305,15 @@ def test_cuda_registry_gets_only_this_builds_valid_entries(cache_dir):
     assert tuning.cuda_tuned_config(case.query, case.key_cache, case.block_tables) == good
     tsv = (cache_dir / tuning.TSV_NAME).read_text().splitlines()
     assert tsv == [f"{reg_key} 256 1024 0 0"]
+
+
+def test_triton_keys_hold_layout_and_head_counts():
+    pytest.importorskip("triton")
+    from paged_ops.triton import decode, prefill
+    nhd = make_case([20], [4], num_heads=8, num_kv_heads=2, layout="NHD")
+    hnd = make_case([20], [4], num_heads=8, num_kv_heads=2, layout="HND")
+    wide = make_case([20], [4], num_heads=16, num_kv_heads=4)  # same group size, other head counts
+    for key in (lambda c: decode.tuning_key(c.query, c.key_cache, c.block_tables),
+                lambda c: prefill.tuning_key(c.query, c.key_cache, c.block_tables, 4, True)):
+        keys = [key(c) for c in (nhd, hnd, wide)]
+        assert len(set(keys)) == 3 and keys[0][-1] == "NHD" and keys[1][-1] == "HND"

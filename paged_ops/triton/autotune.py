@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .. import tuning
-from ..tuning import cache_path, tuning_enabled  # noqa: F401  (used by the kernels' callers)
+from ..tuning import cache_layout, cache_path, tuning_enabled  # noqa: F401  (used by the kernels' callers)
 
 
 class Tuner(tuning.Tuner):

@@ -181,8 +181,9 @@ def tuning_key(query, key_cache, block_tables) -> tuple:
     num_seqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = max_len_bound(block_tables, block_size)
-    return (block_size, head_size, num_heads // num_kv_heads, next_pow2(max_len),
-            next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype))
+    return (block_size, head_size, num_heads, num_kv_heads, next_pow2(max_len),
+            next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype),
+            autotune.cache_layout(key_cache))
 
 
 def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:

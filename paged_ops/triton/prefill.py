@@ -163,8 +163,9 @@ def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool) 
     num_heads, head_size = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = block_tables.shape[1] * block_size
-    return (block_size, head_size, num_heads // num_kv_heads, next_pow2(max_seqlen_q),
-            next_pow2(max_len), bool(causal), str(query.dtype), str(key_cache.dtype))
+    return (block_size, head_size, num_heads, num_kv_heads, next_pow2(max_seqlen_q),
+            next_pow2(max_len), bool(causal), str(query.dtype), str(key_cache.dtype),
+            autotune.cache_layout(key_cache))
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
