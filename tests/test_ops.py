@@ -505,7 +505,7 @@ def test_quantize_dequantize(backend, dtype, fp8):
     device = device_of(backend)
     ops = paged_ops.backend(backend)
     x = fp8_probe(dtype, fp8)
-    for scale_value in (1.0, 0.37, 3e-3):
+    for scale_value in (1.0, 0.37, 3e-3, 3.7):
         scale = torch.tensor([scale_value])
         want = torch.empty(x.shape, dtype=fp8)
         reference.quantize_fp8(want, x, scale)
