@@ -2,7 +2,7 @@
 // ops.cpp, and the CPU emulator, csrc/cuda_emu/ops.cpp): tensors -> kernels/params.h structs, the
 // launch plan computed once (kernels/plan.h), then one call through the launcher tables of
 // kernels/launch.h. Path of a call: torch.ops.paged.* (csrc/public) -> <backend>/ops.cpp -> this
-// file -> cuda/attention.cu or cuda/cache_kernels.cu (or the emulator's twins) -> kernels/*.cuh.
+// file -> cuda/decode.cu, prefill.cu or cache_kernels.cu (or the emulator's kernels_*.cpp) -> kernels/*.cuh.
 //
 // Inputs were validated by the public op (csrc/public) before any of this runs; the backend
 // namespaces' own ops trust their caller. Nothing here re-checks contents, and nothing reads the
@@ -29,7 +29,8 @@ using OptTensor = std::optional<Tensor>;
 // Where a call runs: the launcher tables of one build, its stream, the device's SM count, and how
 // it copies bytes (swap_blocks).
 struct Target {
-  const AttentionLaunchers* attention;
+  const DecodeLauncher* decode;  // addresses of the launcher objects (read at call time)
+  const PrefillLauncher* prefill;
   const CacheLaunchers* cache;
   Stream stream;
   int num_sms;
@@ -137,7 +138,7 @@ inline void decode_attention(const Target& tgt, const LaunchConfig* cfg, Tensor&
   const DecodePlan plan = plan_decode(p, resolve_config(tgt, cfg, p, /*decode=*/true));
   Tensor workspace;
   if (plan.workspace_floats) workspace = at::empty({int64_t(plan.workspace_floats)}, query.options().dtype(at::kFloat));
-  tgt.attention->decode_attention(p, plan, plan.workspace_floats ? workspace.data_ptr<float>() : nullptr, tgt.stream);
+  (*tgt.decode)(p, plan, plan.workspace_floats ? workspace.data_ptr<float>() : nullptr, tgt.stream);
 }
 
 inline void prefill_attention(const Target& tgt, const LaunchConfig* cfg, Tensor& out, const Tensor& query,
@@ -148,7 +149,7 @@ inline void prefill_attention(const Target& tgt, const LaunchConfig* cfg, Tensor
   const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                              &cu_seqlens_q, max_seqlen_q, scale, causal, k_scale, v_scale,
                                              tgt.num_sms);
-  tgt.attention->prefill_attention(p, plan_prefill(p, resolve_config(tgt, cfg, p, /*decode=*/false)), tgt.stream);
+  (*tgt.prefill)(p, plan_prefill(p, resolve_config(tgt, cfg, p, /*decode=*/false)), tgt.stream);
 }
 
 inline void reshape_and_cache(const Target& tgt, const Tensor& key, const Tensor& value, Tensor& key_cache,

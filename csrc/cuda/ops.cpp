@@ -48,8 +48,8 @@ paged::LaunchConfig tuned(const paged::AttentionParams& p, bool decode) {
 
 B::Target target(const at::Device& device) {
   const int index = device.index() >= 0 ? device.index() : c10::cuda::current_device();
-  return B::Target{&paged::kCudaAttention, &paged::kCudaCache, c10::cuda::getCurrentCUDAStream(index).stream(),
-                   num_sms(index), copy_bytes, tuned};
+  return B::Target{&paged::kCudaDecode, &paged::kCudaPrefill, &paged::kCudaCache,
+                   c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes, tuned};
 }
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,

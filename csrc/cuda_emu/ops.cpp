@@ -1,6 +1,6 @@
 // Backend `cuda_emu`: the CUDA kernels run on CPU tensors by the emulator (csrc/emu/cuda_emu.h),
 // registered as torch.ops.paged_cuda_emu.* (CPU dispatch key). Same binding as the GPU backend
-// (csrc/cuda/binding.h) over the emulator's launcher tables (kernels_*.cpp); launches are
+// (csrc/cuda/binding.h) over the emulator's launchers (kernels_*.cpp); launches are
 // synchronous, there is no stream, and the launch configuration is the kernels' default. Test-only
 // ops (an explicit launch configuration, the KV byte counter) are in the namespace
 // paged_cuda_emu_test.
@@ -12,7 +12,7 @@
 #include "ops.h"
 
 namespace paged {
-void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_attention.cpp
+void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_decode.cpp
 uint64_t emu_load_watch_end();
 }  // namespace paged
 
@@ -27,7 +27,8 @@ void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream) { std::
 
 // What the GPU heuristics see on the emulator: an H100-sized device (132 SMs), so the emulated
 // launches take the same decisions (one-pass vs split-KV) as the GPU would at the same shapes.
-const B::Target kTarget{&paged::kEmuAttention, &paged::kEmuCache, nullptr, 132, copy_bytes, nullptr};
+const B::Target kTarget{&paged::kEmuDecode, &paged::kEmuPrefill, &paged::kEmuCache, nullptr, 132, copy_bytes,
+                        nullptr};
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                        const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {

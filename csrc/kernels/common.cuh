@@ -351,5 +351,6 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
   T* name = reinterpret_cast<T*>(paged_smem_raw)
 #endif
 
-// The paged addressing (PagedKV) needs the kernels' namespace named above.
+// The paged addressing (PagedKV) needs the kernels' namespace set up above.
+#define PAGED_KERNELS_COMMON 1
 #include "kernels/paged_kv.h"

@@ -1,11 +1,12 @@
 // The one launcher interface of the CUDA kernels, shared by the two builds that run them:
-//   * the GPU build: csrc/cuda/attention.cu and csrc/cuda/cache_kernels.cu (nvcc) define
-//     kCudaAttention / kCudaCache, launching on a CUDA stream;
-//   * the emulator: csrc/cuda_emu/kernels_attention.cpp and kernels_cache.cpp (host compiler over
-//     csrc/emu/cuda_emu.h) define kEmuAttention / kEmuCache; launches are synchronous.
-// The binding (csrc/cuda/binding.h) fills the parameters and the plan once and calls one table or
-// the other. No torch or CUDA types: a stream travels as void* (a cudaStream_t on a GPU, null on
-// the emulator).
+//   * the GPU build (nvcc): csrc/cuda/decode.cu, prefill.cu and cache_kernels.cu define kCudaDecode,
+//     kCudaPrefill and kCudaCache, launching on a CUDA stream;
+//   * the emulator (host compiler over csrc/emu/cuda_emu.h): csrc/cuda_emu/kernels_decode.cpp,
+//     kernels_prefill.cpp and kernels_cache.cpp define kEmuDecode, kEmuPrefill and kEmuCache;
+//     launches are synchronous.
+// Each launcher lives in the translation unit that compiles its kernels, so the big kernel sets
+// compile in parallel. The binding (csrc/cuda/binding.h) fills the parameters and the plan once and
+// calls one build's launchers. No torch or CUDA types: a stream travels as paged::Stream (void*).
 #pragma once
 #include <cstdint>
 
@@ -14,11 +15,9 @@
 
 namespace paged {
 
-struct AttentionLaunchers {
-  // `workspace`: plan.workspace_floats floats (null when that is 0).
-  void (*decode_attention)(const AttentionParams& p, const DecodePlan& plan, float* workspace, Stream stream);
-  void (*prefill_attention)(const AttentionParams& p, const PrefillPlan& plan, Stream stream);
-};
+// `workspace`: plan.workspace_floats floats (null when that is 0).
+using DecodeLauncher = void (*)(const AttentionParams& p, const DecodePlan& plan, float* workspace, Stream stream);
+using PrefillLauncher = void (*)(const AttentionParams& p, const PrefillPlan& plan, Stream stream);
 
 struct CacheLaunchers {
   void (*reshape_and_cache)(const ReshapeCacheParams& p, Stream stream);
@@ -29,9 +28,11 @@ struct CacheLaunchers {
                       Stream stream);
 };
 
-extern const AttentionLaunchers kCudaAttention;  // csrc/cuda/attention.cu
-extern const CacheLaunchers kCudaCache;          // csrc/cuda/cache_kernels.cu
-extern const AttentionLaunchers kEmuAttention;   // csrc/cuda_emu/kernels_attention.cpp
-extern const CacheLaunchers kEmuCache;           // csrc/cuda_emu/kernels_cache.cpp
+extern const DecodeLauncher kCudaDecode;    // csrc/cuda/decode.cu
+extern const PrefillLauncher kCudaPrefill;  // csrc/cuda/prefill.cu
+extern const CacheLaunchers kCudaCache;     // csrc/cuda/cache_kernels.cu
+extern const DecodeLauncher kEmuDecode;     // csrc/cuda_emu/kernels_decode.cpp
+extern const PrefillLauncher kEmuPrefill;   // csrc/cuda_emu/kernels_prefill.cpp
+extern const CacheLaunchers kEmuCache;      // csrc/cuda_emu/kernels_cache.cpp
 
 }  // namespace paged

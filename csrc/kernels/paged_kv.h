@@ -2,7 +2,7 @@
 // block table), and which vector widths a cache view allows.
 //
 // Host part (any compiler, no CUDA): alignment decisions the launch plan takes once per call.
-// Device part (nvcc, or the emulator; compiled once common.cuh has named the kernels' namespace):
+// Device part (nvcc, or the emulator; compiled once kernels/common.cuh has set up the kernels' namespace):
 // PagedKV, the paged_kv_t of the kernels: a (sequence, KV head) view of one cache whose row(t) is
 // the address of token t's head_size elements. All offsets are int64: block id x block stride and
 // head x head stride pass 2^31 elements in a large cache.
@@ -52,7 +52,7 @@ inline int widest_row_copy(const AttentionParams& p) {
 }  // namespace paged
 #endif  // PAGED_KV_HOST_PART
 
-#if defined(PAGED_KERNEL_NS) && !defined(PAGED_KV_DEVICE_PART)
+#if defined(PAGED_KERNELS_COMMON) && !defined(PAGED_KV_DEVICE_PART)  // after kernels/common.cuh
 #define PAGED_KV_DEVICE_PART
 namespace PAGED_KERNEL_NS {
 

@@ -1,21 +1,14 @@
-// Emulator build of the attention launchers: the kEmuAttention table of kernels/launch.h over the
-// kernels of csrc/kernels, compiled by the host compiler against the CUDA emulator.
+// Emulator build of the decode launcher: kEmuDecode of kernels/launch.h over kernels/decode.cuh,
+// compiled by the host compiler against the CUDA emulator.
 #include "emu/cuda_emu.h"
 #define PAGED_KERNEL_NS paged_cuda_emu_impl
 #include "kernels/decode.cuh"
 #include "kernels/launch.h"
-#include "kernels/prefill.cuh"
 
 namespace paged {
 
-const AttentionLaunchers kEmuAttention = {
-    [](const AttentionParams& p, const DecodePlan& plan, float* workspace, Stream stream) {
-      paged_cuda_emu_impl::decode::launch(p, plan, workspace, stream);
-    },
-    [](const AttentionParams& p, const PrefillPlan& plan, Stream stream) {
-      paged_cuda_emu_impl::prefill::launch(p, plan, stream);
-    },
-};
+const DecodeLauncher kEmuDecode = [](const AttentionParams& p, const DecodePlan& plan, float* workspace,
+                                     Stream stream) { paged_cuda_emu_impl::decode::launch(p, plan, workspace, stream); };
 
 // Load accounting (cuda_emu::LoadWatch) for the test namespace's decode_kv_bytes_read, here because
 // this file already sees the emulator header, which the torch binding must not include.
