@@ -11,8 +11,9 @@
 # benchmarks (decode 32 seqs x 8k tokens, 32/8 heads, d128, bf16 block sweep; cuda and triton vs
 # device copy bandwidth, bf16 matmul, FlexAttention paged decode; prefill vs SDPA flash). Without a
 # GPU: the small CPU benchmarks only.
-# Every step has a time limit (BUILD_S 150 + TESTS_S 90 + CONTRACT_S 100 + DEVICE_S 35 + MEMCHECK_S 40
-# + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 30 + BENCH_S 80 = 575 s: under 10 minutes); results (JSON, PNG) and logs go to
+# Every step has a time limit (BUILD_S 150 + TESTS_S 50 + CONTRACT_S 80 + DEVICE_S 30 + MEMCHECK_S 35
+# + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 25 + BENCH_S 55 = 475 s: under 8 minutes; the
+# limits are budgets, not measurements: no step has run on a GPU yet); results (JSON, PNG) and logs go to
 # bench/results/device-check-<UTC time>/ and
 # are copied to $OUT when it is set. Exit status: non-zero if any step failed.
 set -uo pipefail
@@ -52,17 +53,17 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     # no network on the device machine: build with what is installed, fetch nothing
     step build "${BUILD_S:-150}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     GPU_TESTS=$(ls tests/test_cuda_gpu.py tests/test_triton.py 2>/dev/null)
-    step gpu-tests "${TESTS_S:-90}" "$PY" -m pytest -q -x -p no:cacheprovider $GPU_TESTS
+    step gpu-tests "${TESTS_S:-50}" "$PY" -m pytest -q -x -p no:cacheprovider $GPU_TESTS
     # the op contract on CUDA tensors: tests/test_ops.py's cuda and triton cases (its cpu and
     # cuda_emu cases run in `make test`)
-    step gpu-contract "${CONTRACT_S:-100}" "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py \
+    step gpu-contract "${CONTRACT_S:-80}" "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py \
         -k "[cuda- or [cuda] or [triton- or [triton]"
     # what the emulator cannot prove: vector widths on odd views, padded tensor-core head sizes, a
     # cache past 2^31 elements (2 x 5.4 GB), the kernel-bug regressions on the GPU kernels
-    step device-checks "${DEVICE_S:-35}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_device_checks.py
+    step device-checks "${DEVICE_S:-30}" "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_device_checks.py
     if command -v compute-sanitizer >/dev/null; then
         # memcheck slows kernels ~100x: the CUDA tests' smaller cases only
-        step memcheck "${MEMCHECK_S:-40}" compute-sanitizer --tool memcheck --error-exitcode 99 \
+        step memcheck "${MEMCHECK_S:-35}" compute-sanitizer --tool memcheck --error-exitcode 99 \
             --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_gpu.py \
             -k "${MEMCHECK_K:-decode or prefill or reshape}" --maxfail=1
         # shared-memory hazards (racecheck) and barrier misuse (synccheck) in the two kernels that
@@ -79,8 +80,8 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
         SUMMARY+=("$(printf '%-16s %-14s' sanitizers 'SKIPPED (no compute-sanitizer on PATH)')")
     fi
     # the engine picks CUDA when it is there: its greedy outputs against transformers' (CPU) generate
-    step engine-gpu "${ENGINE_S:-30}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_engine_e2e.py
-    step kernel-bench "${BENCH_S:-80}" env PAGED_BENCH_PROFILE=gpu PAGED_BENCH_RESULTS="$LOGS" "$PY" -m pytest -q -p no:cacheprovider \
+    step engine-gpu "${ENGINE_S:-25}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_engine_e2e.py
+    step kernel-bench "${BENCH_S:-55}" env PAGED_BENCH_PROFILE=gpu PAGED_BENCH_RESULTS="$LOGS" "$PY" -m pytest -q -p no:cacheprovider \
         bench/test_kernels.py bench/test_references.py --benchmark-enable
 else
     echo "no GPU visible: CPU benchmarks only (small profile)"
