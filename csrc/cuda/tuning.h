@@ -1,11 +1,11 @@
 // Launch tuning registry of the GPU backend. A shape key (op, dtypes, head size, group, block size,
 // power-of-two buckets of batch and context) maps to the LaunchConfig the tuner measured fastest.
-// The tuner itself is Python (paged_ops/cuda_tuning.py): it times candidates through the test
+// The tuner itself is Python (paged_ops/tuning.py): it times candidates through the test
 // namespace's explicit-config ops (paged_cuda_test::decode_attention_config /
 // prefill_attention_config), records the winner here with paged_cuda::set_tuned_config and persists it in
-// ~/.cache/paged_ops/cuda_tuning.json (for people) and cuda_tuning.tsv (for this loader: one
-// "key threads partition kv_tile tc" line per shape). The registry reads the .tsv on its first
-// lookup, so a new process uses earlier tuning without importing the tuner.
+// $PAGED_OPS_CACHE_DIR (default ~/.cache/paged_ops): tuning.json for people and cuda_tuning.tsv for
+// this loader (one "key threads partition kv_tile tc" line per shape). The registry reads the .tsv
+// on its first lookup, so a new process uses earlier tuning without importing the tuner.
 // An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
 #pragma once
 #include <ATen/ATen.h>
