@@ -42,7 +42,7 @@ def locate_tokens(table_row_ptr, pos, valid, KV_BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def load_kv_tile(cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                 stride_b, stride_t, stride_h, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                 stride_block, stride_token, stride_head, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
                  ROW_ALIGN: tl.constexpr):
     """K or V rows of the located tokens: [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
 
@@ -50,8 +50,9 @@ def load_kv_tile(cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
     columns load 0 without touching memory: unused cache slots may hold NaN. ROW_ALIGN: see
     row_align().
     """
-    # int64 throughout: a head-major cache of a few G elements puts kv_head * stride_h past 2^31.
-    rows = tl.multiple_of(block_ids * stride_b + offsets * stride_t + kv_head.to(tl.int64) * stride_h, ROW_ALIGN)
+    # int64 throughout: a head-major cache of a few G elements puts kv_head * stride_head past 2^31.
+    rows = block_ids * stride_block + offsets * stride_token + kv_head.to(tl.int64) * stride_head
+    rows = tl.multiple_of(rows, ROW_ALIGN)
     tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
                    mask=valid[:, None] & dim_mask[None, :], other=0)
     if FP8_FORMAT != FP8_NONE:

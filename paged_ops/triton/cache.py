@@ -13,14 +13,15 @@ from .fp8 import FP8_FORMATS, saturating_fp8_bits
 
 @triton.jit
 def _write_one(src_ptr, cache_ptr, scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
-               stride_src_t, stride_src_h,
-               stride_cb, stride_ct, stride_ch,
+               src_stride_token, src_stride_head,
+               cache_stride_block, cache_stride_token, cache_stride_head,
                QUANTIZE: tl.constexpr, PER_HEAD_SCALE: tl.constexpr,
                FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr):
     # heads (int64: heads * stride never wraps), head_mask: [BLOCK_H, 1]; dims: [1, HEAD_PAD];
     # mask: [BLOCK_H, HEAD_PAD]
-    x = tl.load(src_ptr + token * stride_src_t + heads * stride_src_h + dims, mask=mask, other=0.0)
-    dst = cache_ptr + slot_block * stride_cb + slot_offset * stride_ct + heads * stride_ch + dims
+    x = tl.load(src_ptr + token * src_stride_token + heads * src_stride_head + dims, mask=mask, other=0.0)
+    dst = (cache_ptr + slot_block * cache_stride_block + slot_offset * cache_stride_token
+           + heads * cache_stride_head + dims)
     if QUANTIZE:
         if PER_HEAD_SCALE:
             scale = tl.load(scale_ptr + heads, mask=head_mask, other=1.0)  # [BLOCK_H, 1]
@@ -37,9 +38,9 @@ def _reshape_and_cache_kernel(
         key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
         k_scale_ptr, v_scale_ptr,
         num_kv_heads, block_size,
-        stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_kcb, stride_kct, stride_kch,
-        stride_vcb, stride_vct, stride_vch,
+        key_stride_token, key_stride_head, value_stride_token, value_stride_head,
+        k_stride_block, k_stride_token, k_stride_head,
+        v_stride_block, v_stride_token, v_stride_head,
         QUANTIZE: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
         HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr):
@@ -51,16 +52,16 @@ def _reshape_and_cache_kernel(
         return
     slot_block = slot // block_size
     slot_offset = slot % block_size
-    # int64: in a head-major cache of a few G elements, heads * stride_ch passes 2^31.
+    # int64: in a head-major cache of a few G elements, heads * cache_stride_head passes 2^31.
     heads = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
     dims = tl.arange(0, HEAD_PAD)[None, :]
     head_mask = heads < num_kv_heads
     mask = head_mask & (dims < HEAD_SIZE)
     _write_one(key_ptr, key_cache_ptr, k_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
-               stride_kt, stride_kh, stride_kcb, stride_kct, stride_kch,
+               key_stride_token, key_stride_head, k_stride_block, k_stride_token, k_stride_head,
                QUANTIZE, K_PER_HEAD, FP8_MAX, MANT, BIAS)
     _write_one(value_ptr, value_cache_ptr, v_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
-               stride_vt, stride_vh, stride_vcb, stride_vct, stride_vch,
+               value_stride_token, value_stride_head, v_stride_block, v_stride_token, v_stride_head,
                QUANTIZE, V_PER_HEAD, FP8_MAX, MANT, BIAS)
 
 

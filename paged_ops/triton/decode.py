@@ -27,17 +27,19 @@ _LOG2E = 1.4426950408889634
 # would otherwise compile a variant for each value that is 1 or a multiple of 16 (the table
 # width, the split count and the partition size all change with the batch's longest sequence),
 # i.e. compile stalls mid-serving and compiles during CUDA-graph capture.
-@triton.jit(do_not_specialize=["partition_size", "num_splits", "stride_bt"])
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "block_table_stride"])
 def _decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
         qk_scale_log2, partition_size, num_splits,
-        stride_qs, stride_qh, stride_os, stride_oh,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+        q_stride_token, q_stride_head, o_stride_token, o_stride_head,
+        k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+        block_table_stride,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-        ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
+        ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Shapes are constexpr: masks against HEAD_SIZE then have compile-time constancy, which
     # is what lets Triton vectorize the K/V row loads.
     seq = tl.program_id(0).to(tl.int64)
@@ -58,7 +60,7 @@ def _decode_kernel(
     dim_mask = dims < HEAD_SIZE
 
     # q: [BLOCK_M, HEAD_PAD]; padded rows are 0 and simply never stored.
-    q_rows = tl.multiple_of(seq * stride_qs + heads * stride_qh, ROW_ALIGN)
+    q_rows = tl.multiple_of(seq * q_stride_token + heads * q_stride_head, ROW_ALIGN)
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
     # fp8 caches: k_scale folds into the score scale, v_scale into the final output.
@@ -67,15 +69,15 @@ def _decode_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    table_row = block_tables_ptr + seq * stride_bt
+    table_row = block_tables_ptr + seq * block_table_stride
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
         block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
         k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+                         k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+                         v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
                                             COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16)
 
@@ -87,13 +89,13 @@ def _decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        out_rows = tl.multiple_of(seq * stride_os + heads * stride_oh, ROW_ALIGN)
+        out_rows = tl.multiple_of(seq * o_stride_token + heads * o_stride_head, ROW_ALIGN)
         store_rows(out_ptr + out_rows[:, None] + dims[None, :], out, out_mask, ROUND_BF16)
 
 
 @triton.jit(do_not_specialize=["partition_size", "num_splits"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
-                          partition_size, num_splits, stride_os, stride_oh,
+                          partition_size, num_splits, o_stride_token, o_stride_head,
                           HEAD_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
                           SPLIT_CHUNK: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Grid: (seq, head). Merge the partitions that hold tokens, weighted by exp2(lse - max).
@@ -122,7 +124,7 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
         parts = tl.load(part_out_ptr + splits[:, None] * HEAD_SIZE + dims[None, :],
                         mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
         acc += tl.sum(parts * w[:, None], 0)
-    store_rows(out_ptr + seq * stride_os + head * stride_oh + dims, acc / tl.sum(weight_sum, 0), dim_mask,
+    store_rows(out_ptr + seq * o_stride_token + head * o_stride_head + dims, acc / tl.sum(weight_sum, 0), dim_mask,
                ROUND_BF16)
 
 
@@ -152,7 +154,9 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
     if dtype == torch.float32 and pad > 64:
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_scale": 1.0}
-    return {"BLOCK_N": 64 if pad <= 128 else 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
+    # fp8 bytes widened to 128-wide 16-bit rows: 4 warps spill on sm_80 (bf16, e5m2, head 72).
+    warps = 8 if pad == 128 and cache_dtype is not None and is_fp8(cache_dtype) else 4
+    return {"BLOCK_N": 64 if pad <= 128 else 32, "num_warps": warps, "num_stages": 2, "split_scale": 1.0}
 
 
 def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:

@@ -45,13 +45,14 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 # The batch size and the block-table width change from step to step of a serving engine: not
 # specialized, or Triton compiles a variant whenever one of them is 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr,
         qk_scale_log2, num_seqs,
-        stride_qt, stride_qh, stride_ot, stride_oh,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+        q_stride_token, q_stride_head, o_stride_token, o_stride_head,
+        k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+        block_table_stride,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_FORMAT: tl.constexpr,
@@ -80,7 +81,7 @@ def _prefill_kernel(
 
     # q: [BLOCK_M, HEAD_PAD]
     q_rows = (q_begin + q_pos).to(tl.int64)
-    q_offs = tl.multiple_of(q_rows * stride_qt + heads * stride_qh, ROW_ALIGN)
+    q_offs = tl.multiple_of(q_rows * q_stride_token + heads * q_stride_head, ROW_ALIGN)
     q = tl.load(q_ptr + q_offs[:, None] + dims[None, :],
                 mask=io_mask, other=0.0).to(COMPUTE_DTYPE)
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
@@ -94,7 +95,7 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    table_row = block_tables_ptr + seq * stride_bt
+    table_row = block_tables_ptr + seq * block_table_stride
     # Position 0 is visible to every row (context + q_pos >= 0), so each row's running max is
     # finite after the first tile, as online_softmax_step requires.
     for tile_start in range(0, kv_end, BLOCK_N):
@@ -102,9 +103,9 @@ def _prefill_kernel(
         valid = pos < kv_end
         block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
         k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_kb, stride_kt, stride_kh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+                         k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         stride_vb, stride_vt, stride_vh, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+                         v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= context + q_pos[:, None])
@@ -112,7 +113,7 @@ def _prefill_kernel(
                                             COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16)
 
     out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
-    out_offs = tl.multiple_of(q_rows * stride_ot + heads * stride_oh, ROW_ALIGN)
+    out_offs = tl.multiple_of(q_rows * o_stride_token + heads * o_stride_head, ROW_ALIGN)
     store_rows(out_ptr + out_offs[:, None] + dims[None, :], out, io_mask, ROUND_BF16)
 
 
@@ -132,7 +133,9 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
     pad = head_pad(head_size)
     if dtype == torch.float32 and cache_dtype is not None and is_fp8(cache_dtype):
         # Pipelining the byte loads (num_stages 2) takes every register and still spills.
-        return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
+        if pad <= 128:
+            return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}  # 32 x 256: sm_80 spilled
     if dtype == torch.float32:
         if pad <= 64:
             return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
@@ -141,8 +144,8 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
     if pad > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    if pad > 64:  # 128-wide rows: 4 warps spill on sm_80
-        return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    if pad > 64:  # 128-wide rows: 64 x 64 tiles spill on sm_80 (with 4 and with 8 warps)
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 

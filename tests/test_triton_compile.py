@@ -1,0 +1,90 @@
+"""The Triton kernels lower for real GPUs: a compile matrix, and how many variants a server compiles.
+
+No GPU needed: Triton's own compiler and its bundled ptxas compile for any sm_XX. The backend's
+host code runs on small CPU tensors with the kernels replaced by recorders (paged_ops.triton.aot),
+and each recorded launch is specialized by Triton's JIT binder from the real arguments, so
+divisibility hints come from real strides (head size 72: strides that are not multiples of 16)
+and the JIT's cache key is exactly the one a GPU process would use.
+
+Runs in a subprocess without TRITON_INTERPRET: the suite's conftest turns the interpreter on,
+and under it the kernels are not JIT functions.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import triton
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+pytestmark = pytest.mark.skipif(not os.path.exists(PTXAS), reason="Triton without its bundled ptxas")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(code: str, timeout: int) -> object:
+    """Run ``code`` in a fresh interpreter without TRITON_INTERPRET; its last stdout line is JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_compile_matrix_sm80_sm90_no_spills():
+    # Every kernel x default config x {sm_80, sm_90} x query {fp32, fp16, bf16} x cache {same,
+    # e4m3fn, e5m2} x head {64, 72, 128, 256}; decode at batch 1 with 2^17 tokens (the largest
+    # split count the heuristic picks on 132 SMs, and its reduce) and at a full batch (no split);
+    # each distinct specialization compiled once, in parallel processes.
+    start = time.monotonic()
+    rows = _run("""
+        import json
+        from paged_ops.triton import aot
+        print(json.dumps(aot.compile_matrix(archs=(80, 90))))
+    """, timeout=3000)
+    elapsed = time.monotonic() - start
+    from paged_ops.triton.aot import SMEM_LIMIT
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"decode", "decode_reduce", "prefill", "reshape_and_cache", "copy_blocks",
+                       "quantize_fp8", "dequantize_fp8"}, kernels
+    for arch in (80, 90):
+        cases = {(r["dtype"], r["cache"], r["head_size"]) for r in rows
+                 if r["arch"] == arch and r["kernel"] == "prefill"}
+        assert len(cases) == 3 * 3 * 4, (arch, len(cases))
+    bad = [r for r in rows if "error" in r or r["spills"] or not 0 <= r["shared"] <= SMEM_LIMIT[r["arch"]]]
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+    print(f"compile matrix: {len(rows)} distinct compiles in {elapsed:.0f} s")
+
+
+def test_engine_like_run_compiles_few_variants():
+    # A serving engine changes the batch, the block-table width (the longest sequence grows)
+    # and with it decode's split count and partition size every few steps. Integer arguments
+    # equal to 1 or divisible by 16 are specialized by Triton unless marked do_not_specialize:
+    # before, the block-table stride (table width), num_splits and prefill's num_seqs made up to ~9 variants
+    # per kernel and dtype, i.e. compiles in the middle of serving. Stated bound: decode 2
+    # (split and unsplit), its reduce 1, prefill 1 per dtype / head size / block size.
+    counts = _run("""
+        import json, torch
+        from paged_ops.triton import aot
+        keys = {}
+        for step, (num_seqs, seq_len) in enumerate([(1, 1), (1, 17), (2, 300), (16, 1024), (33, 40),
+                                                     (64, 4000), (128, 513), (256, 16), (1, 70000),
+                                                     (7, 2048), (3, 12345), (48, 96)]):
+            for width in (-(-seq_len // 16), 1, 16, 32, 48, 100):
+                if width * 16 < seq_len:
+                    continue
+                launches = aot.decode_launches(torch.float16, torch.float16, 128, num_seqs, seq_len, width)
+                q_lens = [max(1, seq_len // (i + 2)) for i in range(num_seqs)][:8]
+                launches += aot.prefill_launches(torch.float16, torch.float16, 128, q_lens,
+                                                 [seq_len] * len(q_lens), width)
+                for launch in launches:
+                    keys.setdefault(launch.name, set()).add(aot.specialize(launch, 90)[0])
+        print(json.dumps({name: len(k) for name, k in keys.items()}))
+    """, timeout=600)
+    assert counts == {"decode": 2, "decode_reduce": 1, "prefill": 1}, counts
