@@ -1,0 +1,204 @@
+"""An attention backend for vLLM 0.32 whose cache writes and attention are ``torch.ops.paged.*``.
+
+Enable it with ``VLLM_PLUGINS=paged_ops`` (the entry point ``paged_ops`` in the
+``vllm.general_plugins`` group calls :func:`register`); any other value of ``VLLM_PLUGINS`` leaves
+vLLM's own backend. vLLM loads general plugins in every process (front end, engine core, workers),
+so registration happens wherever the attention layers are built.
+
+The KV cache: vLLM hands each layer a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
+view whose last dimension is one token's key followed by its value. Transposing the middle two
+dimensions and splitting the last gives two views of the contract's
+``[num_blocks, block_size, num_kv_heads, head_size]`` with a unit last stride; the ops address
+caches by strides, so no copy is made. The preferred physical layout is LBNHC (token-major, the
+contract's own order); any other layout vLLM resolves is read through the same strided views.
+
+Per step: ``do_kv_cache_update`` stores the new K/V with ``reshape_and_cache`` (fp8 caches
+quantize with the layer's k/v scales); ``forward`` runs the whole batch in one
+``prefill_attention`` call (prefills, chunked prefills over cached context and decode rows mixed,
+bottom-right causal), or ``decode_attention`` when every request has exactly one query token.
+No step copies metadata to the host, so the same classes can be registered for vLLM's CUDA
+backends (:func:`register` with ``gpu=True``); that path has not been run (no GPU here).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+import paged_ops  # noqa: F401  (registers torch.ops.paged.*)
+
+# vLLM's kv_cache_dtype names -> the cache dtype the ops take ("fp8" is e4m3 in vLLM).
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+
+
+class PagedOpsAttentionBackend(AttentionBackend):
+    """Registered in place of ``CPU_ATTN``; :class:`PagedOpsGPUAttentionBackend` in place of a GPU one."""
+
+    forward_includes_kv_cache_update: bool = False
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float16", "bfloat16", *FP8_DTYPES]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]  # the ops take any block size >= 1
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(range(8, 257, 8))
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # LBNHC = per layer [num_blocks, block_size, num_kv_heads, K|V]: the contract's order.
+        return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM maps the name back to the enum member it replaces (AttentionBackendEnum[name]).
+        return "CPU_ATTN"
+
+    @staticmethod
+    def get_impl_cls() -> type[PagedOpsAttentionImpl]:
+        return PagedOpsAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[PagedOpsMetadataBuilder]:
+        return PagedOpsMetadataBuilder
+
+
+class PagedOpsGPUAttentionBackend(PagedOpsAttentionBackend):
+    """The same backend under the name of vLLM's Triton backend, for CUDA tensors (untested here)."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "TRITON_ATTN"
+
+
+@dataclass
+class PagedOpsMetadata:
+    """One step's batch, shared by all layers of a KV cache group."""
+    num_actual_tokens: int       # tokens without padding
+    max_query_len: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]  (the ops' cu_seqlens_q)
+    seq_lens: torch.Tensor       # int32 [num_reqs]: KV length including this step's tokens
+    block_table: torch.Tensor    # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor   # int64 [num_actual_tokens]
+    decode_only: bool            # every request has exactly one query token
+
+
+class PagedOpsMetadataBuilder(AttentionMetadataBuilder[PagedOpsMetadata]):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PagedOpsMetadata:
+        m = common_attn_metadata
+        # num_reqs == num_actual_tokens with max_query_len 1 rules out padded requests of
+        # q_len 0 (decode_attention needs seq_len >= 1), without reading device tensors.
+        decode_only = m.max_query_len == 1 and m.num_reqs == m.num_actual_tokens
+        return PagedOpsMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=m.query_start_loc,
+            seq_lens=m.seq_lens,
+            block_table=m.block_table_tensor,
+            slot_mapping=m.slot_mapping,
+            decode_only=decode_only,
+        )
+
+
+def split_kv_cache(kv_cache: torch.Tensor, kv_cache_dtype: str, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's per-layer cache -> (key_cache, value_cache) views in the contract's layout.
+
+    kv_cache: [num_blocks, num_kv_heads, block_size, 2 * head_size] (logical; any stride order
+    with a unit last stride) -> each [num_blocks, block_size, num_kv_heads, head_size].
+    """
+    if kv_cache_dtype in FP8_DTYPES and kv_cache.dtype != FP8_DTYPES[kv_cache_dtype]:
+        kv_cache = kv_cache.view(FP8_DTYPES[kv_cache_dtype])  # vLLM may allocate fp8 caches as uint8
+    tokens_major = kv_cache.transpose(1, 2)
+    return tokens_major[..., :head_size], tokens_major[..., head_size:]
+
+
+class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: list[float] | None = None, sliding_window: int | None = None,
+                 kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        # What the ops do not compute is refused here rather than silently ignored.
+        unsupported = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
+                       "logits_soft_cap": bool(logits_soft_cap), "sinks": sinks is not None,
+                       f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
+        if any(unsupported.values()):
+            raise NotImplementedError("paged_ops attention backend does not support "
+                                      + ", ".join(k for k, v in unsupported.items() if v))
+        if kv_cache_dtype not in ("auto", "float16", "bfloat16", *FP8_DTYPES):
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by paged_ops")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.is_fp8 = kv_cache_dtype in FP8_DTYPES
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+
+    def _scales(self, layer: AttentionLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        # layer._k_scale: float32, 0-d (per tensor) or [num_kv_heads]; the ops take 1-d.
+        if not self.is_fp8:
+            return None, None
+        return layer._k_scale.reshape(-1), layer._v_scale.reshape(-1)
+
+    def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
+                           kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key, value: [num_tokens (maybe padded), num_kv_heads, head_size]; slot_mapping int64."""
+        if self.kv_sharing_target_layer_name is not None:
+            return  # this layer reads another layer's cache, which that layer writes
+        key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype, self.head_size)
+        n = slot_mapping.shape[0]
+        k_scale, v_scale = self._scales(layer)
+        torch.ops.paged.reshape_and_cache(key[:n], value[:n], key_cache, value_cache, slot_mapping, k_scale, v_scale)
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: PagedOpsMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None, output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """query: [num_tokens, num_heads, head_size] -> output [num_tokens, num_heads, head_size]
+        (or its [num_tokens, num_heads * head_size] view); K/V are already in the cache."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("paged_ops attention backend does not fuse output quantization")
+        if attn_metadata is None:  # profiling run: no cache yet
+            return output
+        n = attn_metadata.num_actual_tokens
+        key_cache, value_cache = split_kv_cache(kv_cache, self.kv_cache_dtype, self.head_size)
+        k_scale, v_scale = self._scales(layer)
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        if attn_metadata.decode_only:
+            torch.ops.paged.decode_attention(out, q, key_cache, value_cache, attn_metadata.block_table,
+                                             attn_metadata.seq_lens, self.scale, k_scale, v_scale)
+        else:
+            torch.ops.paged.prefill_attention(out, q, key_cache, value_cache, attn_metadata.block_table,
+                                              attn_metadata.query_start_loc, attn_metadata.seq_lens,
+                                              attn_metadata.max_query_len, self.scale, True, k_scale, v_scale)
+        return output
+
+
+def register(gpu: bool = False) -> None:
+    """The ``vllm.general_plugins`` entry point: replace vLLM's CPU attention backend (and, with
+    gpu=True, its Triton backend) by this module's backend. Idempotent, as vLLM
+    may load plugins more than once per process."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.PagedOpsAttentionBackend")
+    if gpu:
+        register_backend(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.PagedOpsGPUAttentionBackend")
