@@ -6,6 +6,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 
 #include "public/select.h"
 #include "public/validate.h"
@@ -32,17 +33,27 @@ class BackendOps {
   explicit BackendOps(const char* op) {
     for (int b = 0; b < kNumBackends; ++b) {
       const auto schema = c10::Dispatcher::singleton().findSchema({std::string(backend_namespace(b)) + "::" + op, ""});
-      if (schema.has_value()) handles_[b] = schema->typed<Sig>();
+      if (!schema.has_value()) {
+        errors_[b] = "is not built into this installation";
+        continue;
+      }
+      // A kernel registered with another C++ signature fails here; that breaks its backend only.
+      try {
+        handles_[b] = schema->typed<Sig>();
+      } catch (const c10::Error& e) {
+        errors_[b] = e.what_without_backtrace();
+      }
     }
   }
   const c10::TypedOperatorHandle<Sig>& operator[](int backend) const {
-    TORCH_CHECK(handles_[backend].has_value(), "paged_ops backend '", backend_name(backend),
-                "' is not built into this installation (namespace ", backend_namespace(backend), ")");
+    TORCH_CHECK(handles_[backend].has_value(), "paged_ops backend '", backend_name(backend), "' (namespace ",
+                backend_namespace(backend), "): ", errors_[backend]);
     return *handles_[backend];
   }
 
  private:
   std::array<std::optional<c10::TypedOperatorHandle<Sig>>, kNumBackends> handles_;
+  std::array<std::string, kNumBackends> errors_;
 };
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
