@@ -143,3 +143,11 @@ def test_fp8_kv_cache_logprobs_close(results, fp8):
     assert err_ours > 0, "the fp8 cache made no difference: was it used?"
     assert err_ours <= FP8_REL_TOL * err_theirs, (err_ours, err_theirs)
     assert err_ours <= FP8_ABS_TOL[fp8], (err_ours, err_theirs)
+
+
+def test_import_paged_ops_does_not_import_vllm():
+    # Here vLLM is installed, so the check can fail: vLLM stays an optional dependency.
+    code = "import sys, paged_ops, paged_ops.integrations; sys.exit('vllm' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+    code = "import sys, paged_ops.integrations.vllm; sys.exit('vllm' not in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
