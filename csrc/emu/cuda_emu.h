@@ -248,7 +248,8 @@ struct BlockRun {
   std::exception_ptr error;
   Schedule schedule = Schedule::Random;
   uint64_t seed = 0;
-  std::vector<unsigned> order;  // fiber indices in the order of the current scheduling pass
+  std::vector<unsigned> order;       // forward / reverse: fiber indices in the order they run
+  std::vector<unsigned> warp_order;  // random: warp indices, reshuffled every scheduling pass
 };
 
 inline Fiber& cur() { return *worker().cur; }
@@ -354,24 +355,46 @@ inline void run_block(BlockRun& b) {
   if (b.dyn_smem_bytes) std::memset(b.dyn_smem, 0xff, b.dyn_smem_bytes);
 
   bool aborting = false;
+  auto resume = [&](unsigned i) {  // runs fiber i until it blocks or exits; false if it cannot run
+    Fiber& f = b.fibers[i];
+    if (f.state == FiberState::Done) return false;
+    if (f.state != FiberState::Runnable && !aborting) return false;
+    w.cur = &f;
+    cuda_emu_switch_stack(&w.sched_sp, f.sp);
+    w.cur = nullptr;
+    if (b.error) aborting = true;  // resume every fiber once so that it unwinds and finishes
+    return true;
+  };
+  const unsigned nwarps = unsigned(b.warps.size());
+  b.warp_order.resize(nwarps);
+  for (unsigned i = 0; i < nwarps; ++i) b.warp_order[i] = i;
+  auto shuffle = [&](unsigned* v, unsigned n) {  // Fisher-Yates
+    for (unsigned i = n; i > 1; --i) {
+      rng = splitmix64(rng);
+      std::swap(v[i - 1], v[unsigned(rng % i)]);
+    }
+  };
   while (b.done < b.nthreads) {
     bool progress = false;
     if (b.schedule == Schedule::Random) {
-      for (unsigned i = b.nthreads; i > 1; --i) {  // Fisher-Yates
-        rng = splitmix64(rng);
-        std::swap(b.order[i - 1], b.order[unsigned(rng % i)]);
+      // Warps in a random order, each run as far as it goes (to a __syncthreads, or exit) before
+      // the next starts, its lanes in a random order at every warp exchange: warps drift as far
+      // apart as a barrier lets them, so a missing barrier between warps (a read before another
+      // warp's write, or a write over data another warp still reads) shows in either direction.
+      shuffle(b.warp_order.data(), nwarps);
+      for (unsigned wi : b.warp_order) {
+        const unsigned base = wi * 32, lanes = std::min(32u, b.nthreads - base);
+        unsigned lane_order[32];
+        for (unsigned l = 0; l < lanes; ++l) lane_order[l] = base + l;
+        for (bool any = true; any;) {
+          any = false;
+          shuffle(lane_order, lanes);
+          for (unsigned l = 0; l < lanes; ++l) any |= resume(lane_order[l]);
+          progress |= any;
+        }
       }
-    }
-    for (unsigned k = 0; k < b.nthreads; ++k) {
-      const unsigned i = b.order[k];
-      Fiber& f = b.fibers[i];
-      if (f.state == FiberState::Done) continue;
-      if (f.state != FiberState::Runnable && !aborting) continue;
-      w.cur = &f;
-      cuda_emu_switch_stack(&w.sched_sp, f.sp);
-      w.cur = nullptr;
-      progress = true;
-      if (b.error) aborting = true;  // resume every fiber once so that it unwinds and finishes
+    } else {
+      for (unsigned k = 0; k < b.nthreads; ++k) progress |= resume(b.order[k]);
     }
     if (!progress && !aborting) {
       // Everybody left is waiting for somebody who will never come.
