@@ -23,7 +23,7 @@
 
 #include "vec8.h"
 
-namespace paged::cpu {
+namespace paged::cpu::PAGED_CPU_ISA_NS {
 
 struct AttentionParams {
   void* out;          // [total_q, num_heads, head_size]
@@ -505,4 +505,4 @@ void paged_attention(const AttentionParams& p) {
   }
 }
 
-}  // namespace paged::cpu
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS

@@ -1,11 +1,19 @@
 // Row conversions between storage dtypes and float, written so that GCC vectorizes them.
 // Every row length here is a multiple of 8 (head sizes are), so no loop needs a scalar tail.
+//
+// Compiled once per instruction set (csrc/cpu/isa.h): everything here lives in that build's
+// namespace, so the inline functions of two builds are never merged by the linker.
 #pragma once
+#ifndef PAGED_CPU_ISA_NS
+#error "csrc/cpu kernels are compiled per ISA: define PAGED_CPU_ISA_NS (CMakeLists.txt does)"
+#endif
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
-#include <immintrin.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>  // the intrinsics below are used only where the build's flags enable them
+#endif
 
 #include <algorithm>
 #include <array>
@@ -14,7 +22,7 @@
 #include <limits>
 #include <type_traits>
 
-namespace paged::cpu {
+namespace paged::cpu::PAGED_CPU_ISA_NS {
 
 template <typename T>
 inline constexpr bool is_fp8_v =
@@ -191,4 +199,4 @@ inline void quantize_row(const IT* src, OT* dst, int64_t n, float scale) {
   for (; i < n; ++i) dst[i] = saturating_fp8<OT>(static_cast<float>(src[i]), scale);
 }
 
-}  // namespace paged::cpu
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS

@@ -4,24 +4,28 @@
 #include <ATen/core/Tensor.h>
 #include <optional>
 
+// The kernels built once per instruction set (csrc/cpu/isa.h): declared in paged::cpu, where
+// csrc/cpu/dispatch.cpp forwards them to the active ISA's build, and in each ISA's namespace.
+#define PAGED_CPU_DECLARE_ISA_KERNELS                                                                    \
+  void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache,                       \
+                         Tensor& value_cache, const Tensor& slot_mapping, const OptTensor& k_scale,       \
+                         const OptTensor& v_scale);                                                       \
+  void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,                        \
+                        const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,    \
+                        double scale, const OptTensor& k_scale, const OptTensor& v_scale);                \
+  void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,                       \
+                         const Tensor& value_cache, const Tensor& block_tables,                           \
+                         const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q,        \
+                         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale);  \
+  void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);                               \
+  void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
+
 namespace paged::cpu {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache,
-                       Tensor& value_cache, const Tensor& slot_mapping, const OptTensor& k_scale,
-                       const OptTensor& v_scale);
-void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
-                      const Tensor& value_cache, const Tensor& block_tables,
-                      const Tensor& seq_lens, double scale, const OptTensor& k_scale,
-                      const OptTensor& v_scale);
-void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
-                       const Tensor& value_cache, const Tensor& block_tables,
-                       const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q,
-                       double scale, bool causal, const OptTensor& k_scale,
-                       const OptTensor& v_scale);
-void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
-void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
+PAGED_CPU_DECLARE_ISA_KERNELS
+// Whole-block memcpy: no arithmetic to vectorize, so built once.
 void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
                  const Tensor& block_mapping);
 void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping);

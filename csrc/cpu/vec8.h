@@ -5,7 +5,7 @@
 
 #include "convert.h"
 
-namespace paged::cpu {
+namespace paged::cpu::PAGED_CPU_ISA_NS {
 
 // An fp8 e4m3fn byte read as an fp16's top bits (bias 15 vs 7): it widens to its value / 2^8,
 // exactly. E4m3HalfFinite: the same, for bytes known not to be NaN (0x7F/0xFF).
@@ -196,4 +196,4 @@ struct Vec8 {
 };
 #endif
 
-}  // namespace paged::cpu
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS

@@ -5,10 +5,10 @@
 
 #include <algorithm>
 
-#include "convert.h"
-#include "ops.h"
+#include "cpu/convert.h"
+#include "cpu/isa.h"
 
-namespace paged::cpu {
+namespace paged::cpu::PAGED_CPU_ISA_NS {
 namespace {
 
 template <typename XT, typename CT>
@@ -71,4 +71,4 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
   scatter_any(value, value_cache, slots, v_scale);
 }
 
-}  // namespace paged::cpu
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS

@@ -2,11 +2,11 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
-#include "convert.h"
-#include "vec8.h"
-#include "ops.h"
+#include "cpu/convert.h"
+#include "cpu/vec8.h"
+#include "cpu/isa.h"
 
-namespace paged::cpu {
+namespace paged::cpu::PAGED_CPU_ISA_NS {
 namespace {
 
 template <typename T>
@@ -72,4 +72,4 @@ void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   });
 }
 
-}  // namespace paged::cpu
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS

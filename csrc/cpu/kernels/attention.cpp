@@ -1,13 +1,13 @@
 // decode_attention and prefill_attention for the cpu backend: both build AttentionParams and
 // run the one core in attention.h (decode is prefill with one query token per sequence).
-#include "attention.h"
+#include "cpu/attention.h"
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 
-#include "ops.h"
+#include "cpu/isa.h"
 
-namespace paged::cpu {
+namespace paged::cpu::PAGED_CPU_ISA_NS {
 namespace {
 
 template <typename QT>
@@ -71,4 +71,4 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
       k_scale, v_scale);
 }
 
-}  // namespace paged::cpu
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS

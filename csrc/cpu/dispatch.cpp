@@ -1,0 +1,179 @@
+// The cpu backend's entry points (what registration.cpp binds): each forwards to the active ISA
+// build of the kernels (csrc/cpu/isa.h). The active one is the best this CPU runs, chosen once
+// at the first call, unless PAGED_OPS_CPU_ISA names another; torch.ops.paged_cpu.set_isa switches
+// it at run time (tests and benchmarks run every path in one process that way).
+// Compiled with the baseline flags: this file must run on any CPU the package is built for.
+#include <torch/library.h>
+
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "cpu/isa.h"
+
+namespace paged::cpu {
+namespace {
+
+struct Isa {
+  const char* name;
+  IsaKernels (*kernels)();  // nullptr: not built into this package (another architecture)
+  bool (*runs_here)();
+};
+
+#if defined(__x86_64__) || defined(__i386__)
+bool has_avx2() {
+  __builtin_cpu_init();  // libgcc's check includes the OS enabling the AVX / AVX-512 register state
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+#endif
+bool always() { return true; }
+bool never() { return false; }
+
+// In the order of preference, worst first. "amx" is a name the override accepts but no build
+// has AMX kernels yet: asking for it says so.
+const std::array<Isa, 5>& isas() {
+  static const std::array<Isa, 5> table = {{
+      {"portable", &isa_portable::kernels, &always},
+#if defined(PAGED_CPU_HAVE_AVX2)
+      {"avx2", &isa_avx2::kernels, &has_avx2},
+#else
+      {"avx2", nullptr, &never},
+#endif
+#if defined(PAGED_CPU_HAVE_AVX512)
+      {"avx512", &isa_avx512::kernels, &has_avx512},
+#else
+      {"avx512", nullptr, &never},
+#endif
+#if defined(PAGED_CPU_HAVE_AVX512_BF16)
+      {"avx512_bf16", &isa_avx512_bf16::kernels, &has_avx512_bf16},
+#else
+      {"avx512_bf16", nullptr, &never},
+#endif
+      {"amx", nullptr, &never},
+  }};
+  return table;
+}
+
+bool usable(const Isa& isa) { return isa.kernels != nullptr && isa.runs_here(); }
+
+std::string join_names(bool only_usable) {
+  std::string names;
+  for (const Isa& isa : isas())
+    if (!only_usable || usable(isa)) names += (names.empty() ? "" : ", ") + std::string(isa.name);
+  return names;
+}
+
+struct Active {
+  const char* name;
+  IsaKernels kernels;
+};
+
+// One Active per ISA, made once. Only the usable builds' kernels() is called: it is compiled with
+// its ISA's flags and may itself use that ISA's instructions.
+const Active& build(const Isa& isa) {
+  static const std::array<Active, 5> made = [] {
+    std::array<Active, 5> a{};
+    for (size_t i = 0; i < a.size(); ++i) {
+      a[i].name = isas()[i].name;
+      if (usable(isas()[i])) a[i].kernels = isas()[i].kernels();
+    }
+    return a;
+  }();
+  return made[size_t(&isa - isas().data())];
+}
+
+const Active& find(const std::string& name, const char* what) {
+  for (const Isa& isa : isas()) {
+    if (name != isa.name) continue;
+    TORCH_CHECK_VALUE(isa.kernels != nullptr, what, "='", name, "': this build of paged_ops has no ", name,
+                      " kernels; supported on this machine: ", join_names(true));
+    TORCH_CHECK_VALUE(isa.runs_here(), what, "='", name, "': this CPU does not support ", name,
+                      "; supported on this machine: ", join_names(true));
+    return build(isa);
+  }
+  TORCH_CHECK_VALUE(false, what, "='", name, "' is not a CPU ISA; valid: ", join_names(false),
+                    " (supported on this machine: ", join_names(true), ")");
+}
+
+const Active& best() {
+  const Isa* chosen = &isas()[0];
+  for (const Isa& isa : isas())
+    if (usable(isa)) chosen = &isa;
+  return build(*chosen);
+}
+
+std::atomic<const Active*> g_active{nullptr};
+
+// Throws (ValueError) on every call while PAGED_OPS_CPU_ISA names an unknown or unsupported ISA.
+const IsaKernels& active() {
+  const Active* a = g_active.load(std::memory_order_acquire);
+  if (a == nullptr) {
+    const char* env = std::getenv("PAGED_OPS_CPU_ISA");
+    const Active* chosen = (env != nullptr && *env != '\0') ? &find(env, "PAGED_OPS_CPU_ISA") : &best();
+    g_active.compare_exchange_strong(a, chosen, std::memory_order_acq_rel);  // a set_isa may have won
+    a = g_active.load(std::memory_order_acquire);
+  }
+  return a->kernels;
+}
+
+std::string isa() {
+  active();
+  return g_active.load(std::memory_order_acquire)->name;
+}
+
+// Makes `name` the active ISA and returns the one it replaces.
+std::string set_isa(const std::string& name) {
+  const std::string previous = isa();
+  g_active.store(&find(name, "isa"), std::memory_order_release);
+  return previous;
+}
+
+std::vector<std::string> supported_isas() {  // worst first; the last is what isa() starts as
+  std::vector<std::string> names;
+  for (const Isa& isa : isas())
+    if (usable(isa)) names.emplace_back(isa.name);
+  return names;
+}
+
+}  // namespace
+
+void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
+                       const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
+  active().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+}
+void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                      const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                      const OptTensor& k_scale, const OptTensor& v_scale) {
+  active().decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+}
+void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                       const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                       int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
+                       const OptTensor& v_scale) {
+  active().prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
+                             max_seqlen_q, scale, causal, k_scale, v_scale);
+}
+void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
+  active().quantize_fp8(out, input, scale);
+}
+void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
+  active().dequantize_fp8(out, input, scale);
+}
+
+}  // namespace paged::cpu
+
+// The ISA controls: isa() is the active one, supported_isas() those this machine runs (worst
+// first), set_isa(name) switches and returns the previous one (ValueError for an unknown or
+// unsupported name, listing the supported ones).
+TORCH_LIBRARY_FRAGMENT(paged_cpu, m) {
+  m.def("isa() -> str", &paged::cpu::isa);
+  m.def("supported_isas() -> str[]", &paged::cpu::supported_isas);
+  m.def("set_isa(str name) -> str", &paged::cpu::set_isa);
+}

@@ -1,0 +1,41 @@
+// Runtime ISA dispatch for the cpu backend. csrc/cpu/kernels/*.cpp (and the headers they
+// include: attention.h, vec8.h, convert.h) are compiled once per instruction set, each time with
+// that ISA's flags and -DPAGED_CPU_ISA_NS=isa_<name>, so every build's functions, inline ones
+// included, live in their own namespace. csrc/cpu/dispatch.cpp (compiled with the baseline flags)
+// picks one build at the first call by CPUID, or as PAGED_OPS_CPU_ISA says.
+//
+//   isa_portable     no -m flags: the same kernels' plain C++ branches (what aarch64 builds)
+//   isa_avx2         -mavx2 -mfma -mf16c: the 8-lane intrinsics in vec8.h / convert.h
+//   isa_avx512       + -mavx512f -mavx512bw -mavx512vl: the same 8-lane code; only what the
+//                    compiler auto-vectorizes gets wider (no 16-lane kernels yet)
+//   isa_avx512_bf16  + -mavx512bf16: as isa_avx512 (no vdpbf16ps kernels yet)
+#pragma once
+#include "cpu/ops.h"
+
+namespace paged::cpu {
+
+using ReshapeAndCacheFn = decltype(&reshape_and_cache);
+using DecodeAttentionFn = decltype(&decode_attention);
+using PrefillAttentionFn = decltype(&prefill_attention);
+using Fp8ConvertFn = decltype(&quantize_fp8);
+
+struct IsaKernels {
+  ReshapeAndCacheFn reshape_and_cache;
+  DecodeAttentionFn decode_attention;
+  PrefillAttentionFn prefill_attention;
+  Fp8ConvertFn quantize_fp8;
+  Fp8ConvertFn dequantize_fp8;
+};
+
+#define PAGED_CPU_DECLARE_ISA(ns) \
+  namespace ns {                  \
+  PAGED_CPU_DECLARE_ISA_KERNELS   \
+  IsaKernels kernels();           \
+  }
+PAGED_CPU_DECLARE_ISA(isa_portable)
+PAGED_CPU_DECLARE_ISA(isa_avx2)
+PAGED_CPU_DECLARE_ISA(isa_avx512)
+PAGED_CPU_DECLARE_ISA(isa_avx512_bf16)
+#undef PAGED_CPU_DECLARE_ISA
+
+}  // namespace paged::cpu

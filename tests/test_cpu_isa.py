@@ -1,0 +1,215 @@
+"""The cpu backend's runtime ISA dispatch (csrc/cpu/dispatch.cpp, csrc/cpu/isa.h).
+
+The kernels are compiled once per ISA (portable, avx2, avx512, avx512_bf16 on x86; portable
+elsewhere) and one is chosen at the first call: the best this CPU runs, or PAGED_OPS_CPU_ISA.
+tests/test_ops.py and tests/test_cpu_backend.py run the default (best) one over their full grids;
+here every other ISA this machine runs gets a representative subset of the same cases, switched
+with torch.ops.paged_cpu.set_isa:
+  - attention: test_ops' small decode and prefill grids (every dtype, fp8 format and scale kind,
+    layout, block size 1..256, group 1..8, head size 16..256), the split-KV decode path;
+  - reshape_and_cache: test_ops' configs at block size 3, and every fp8 input of test_cpu_backend;
+  - quantize/dequantize: test_ops' round trip for every dtype pair, the NaN inputs, and
+    test_cpu_backend's every-16-bit-input (scales 1 and 0.37: the multiply and divide paths),
+    fp32 ties and every-byte probes;
+  - the fp8 attention probes (every finite value, NaN/inf bytes, all -inf keys).
+The full grid on every ISA would multiply the suite's cpu time by the number of ISAs.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import paged_ops  # noqa: F401  (loads the extension: torch.ops.paged_cpu)
+from paged_ops.testing import FP8_DTYPES
+from tests import test_cpu_backend as cpu_cases
+from tests import test_ops as op_cases
+
+ops = torch.ops.paged_cpu
+ALL_ISAS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
+SUPPORTED = list(ops.supported_isas())
+ACTIVE = ops.isa()  # the best one, or PAGED_OPS_CPU_ISA's
+OTHERS = [i for i in SUPPORTED if i != ACTIVE]  # ACTIVE runs the full grids in test_ops / test_cpu_backend
+
+
+def cpu_flags() -> set[str]:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def expected_isas() -> list[str]:
+    """What the dispatch should find on this machine, from /proc/cpuinfo (independent of CPUID
+    as the extension reads it)."""
+    flags, isas = cpu_flags(), ["portable"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        isas.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+            isas.append("avx512")
+            if "avx512_bf16" in flags:
+                isas.append("avx512_bf16")
+    return isas
+
+
+def run_python(code: str, isa_env: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PAGED_OPS_CPU_ISA"}
+    if isa_env is not None:
+        env["PAGED_OPS_CPU_ISA"] = isa_env
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+# --- the dispatch itself ------------------------------------------------------------------------
+
+def test_supported_isas_match_the_cpu():
+    assert SUPPORTED == expected_isas()
+
+
+def test_default_is_the_best_supported():
+    r = run_python("import paged_ops, torch; print(torch.ops.paged_cpu.isa())", None)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == expected_isas()[-1]
+
+
+@pytest.mark.parametrize("isa", SUPPORTED)
+def test_environment_override(isa):
+    # The override is read at the first call; the kernels then run on it.
+    code = ("import paged_ops, torch; from paged_ops.testing import make_case, nan_like, assert_close\n"
+            "print(torch.ops.paged_cpu.isa())\n"
+            "c = make_case([5, 40], num_heads=4, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)\n"
+            "out = nan_like(c.query); paged_ops.backend('cpu').decode_attention(*c.decode_args(out))\n"
+            "assert_close(out, c.reference_decode(), c.dtype)\n")
+    r = run_python(code, isa)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == isa
+
+
+@pytest.mark.parametrize("value", ["sse9", "AVX2", "avx-512"])
+def test_environment_override_unknown_is_a_clear_error(value):
+    # Every call keeps raising (not only the first): the bad value is never silently replaced.
+    code = ("import paged_ops, torch\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        torch.ops.paged_cpu.isa()\n"
+            "    except ValueError as e:\n"
+            "        print(e)\n"
+            "    else:\n"
+            "        raise SystemExit('no error')\n")
+    r = run_python(code, value)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [line for line in r.stdout.splitlines() if "PAGED_OPS_CPU_ISA" in line]
+    assert len(lines) == 2, r.stdout
+    assert f"PAGED_OPS_CPU_ISA='{value}' is not a CPU ISA" in lines[0]
+    assert "valid: " + ", ".join(ALL_ISAS) in lines[0]
+    assert "supported on this machine: " + ", ".join(SUPPORTED) in lines[0]
+
+
+def test_environment_override_unknown_fails_the_kernels_too():
+    code = ("import paged_ops, torch\n"
+            "x = torch.randn(16); out = torch.empty(16, dtype=torch.float8_e4m3fn)\n"
+            "try:\n"
+            "    torch.ops.paged_cpu.quantize_fp8(out, x, torch.tensor([1.0]))\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    r = run_python(code, "bogus")
+    assert r.returncode == 0, r.stderr
+    assert "PAGED_OPS_CPU_ISA='bogus' is not a CPU ISA" in r.stdout
+
+
+@pytest.mark.parametrize("isa", [i for i in ALL_ISAS if i not in SUPPORTED])
+def test_unsupported_isa_is_a_clear_error(isa):
+    before = ops.isa()
+    with pytest.raises(ValueError, match=f"isa='{isa}'.*supported on this machine: {', '.join(SUPPORTED)}"):
+        ops.set_isa(isa)
+    assert ops.isa() == before  # a refused switch changes nothing
+    r = run_python("import paged_ops, torch; torch.ops.paged_cpu.isa()", isa)
+    assert r.returncode != 0 and f"PAGED_OPS_CPU_ISA='{isa}'" in r.stderr, r.stderr
+
+
+def test_amx_is_named_as_not_built():
+    # No AMX kernels exist yet (this machine has no AMX to run them): the error says so.
+    with pytest.raises(ValueError, match="has no amx kernels"):
+        ops.set_isa("amx")
+
+
+def test_set_isa_returns_the_previous_one():
+    before = ops.isa()
+    try:
+        assert ops.set_isa("portable") == before
+        assert ops.isa() == "portable"
+    finally:
+        assert ops.set_isa(before) == "portable"
+    assert ops.isa() == before
+
+
+# --- the contract on every other ISA this machine runs ------------------------------------------
+
+@pytest.fixture(params=OTHERS)
+def isa(request):
+    previous = ops.set_isa(request.param)
+    try:
+        assert ops.isa() == request.param
+        yield request.param
+    finally:
+        ops.set_isa(previous)
+
+
+@pytest.mark.parametrize("case", op_cases.GRIDS["decode"]["small"], ids=lambda c: c.id)
+def test_decode_attention(isa, case):
+    op_cases.test_decode_attention("cpu", case)
+
+
+@pytest.mark.parametrize("case", op_cases.GRIDS["prefill"]["small"], ids=lambda c: c.id)
+def test_prefill_attention(isa, case):
+    op_cases.test_prefill_attention("cpu", case)
+
+
+def test_decode_split_path(isa):
+    cpu_cases.test_decode_split_path(1, 2500, torch.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype,scale_kind,dtype,layout", op_cases.RESHAPE_CONFIGS,
+                         ids=lambda v: op_cases._name(v))
+def test_reshape_and_cache(isa, cache_dtype, scale_kind, dtype, layout):
+    op_cases.test_reshape_and_cache("cpu", cache_dtype, scale_kind, dtype, layout, 3)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=op_cases._name)
+@pytest.mark.parametrize("dtype", op_cases.DTYPES, ids=op_cases._name)
+def test_quantize_dequantize(isa, dtype, fp8):
+    op_cases.test_quantize_dequantize("cpu", dtype, fp8)
+    op_cases.test_quantize_fp8_16bit_nan_inputs("cpu", dtype, fp8) if dtype != torch.float32 else \
+        op_cases.test_quantize_fp8_float32_nan_inputs("cpu", fp8)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=op_cases._name)
+def test_fp8_bit_probes(isa, fp8):
+    for dtype in (torch.float16, torch.bfloat16):
+        for scale in (1.0, 0.37):
+            cpu_cases.test_quantize_fp8_every_16bit_input(fp8, dtype, scale)
+    for scale in cpu_cases.QUANT_SCALES:
+        cpu_cases.test_quantize_fp8_fp32_ties_and_random(fp8, scale)
+    for dtype in op_cases.DTYPES:
+        cpu_cases.test_dequantize_fp8_every_byte(fp8, dtype)
+        cpu_cases.test_reshape_and_cache_fp8_every_input(fp8, dtype)
+
+
+@pytest.mark.parametrize("fp8", FP8_DTYPES, ids=op_cases._name)
+def test_attention_fp8_values(isa, fp8):
+    cpu_cases.test_attention_reads_every_fp8_value(fp8)
+    bytes_ = (0x7F, 0xFF) if fp8 == torch.float8_e4m3fn else (0x7C, 0xFC, 0x7E)
+    for byte in bytes_:
+        for which in ("k", "v"):
+            cpu_cases.test_attention_fp8_nan_and_inf_bytes(fp8, byte, which)
+
+
+def test_attention_all_minus_inf_keys(isa):
+    for seq_len in (40, 600):
+        cpu_cases.test_attention_all_minus_inf_keys_give_nan_like_the_reference(seq_len)
