@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import os
 import platform
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -213,3 +215,30 @@ def test_attention_fp8_values(isa, fp8):
 def test_attention_all_minus_inf_keys(isa):
     for seq_len in (40, 600):
         cpu_cases.test_attention_all_minus_inf_keys_give_nan_like_the_reference(seq_len)
+
+
+# --- aarch64: the portable build compiles there -------------------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+CROSS_CXX = shutil.which("aarch64-linux-gnu-g++")
+
+
+@pytest.mark.skipif(CROSS_CXX is None, reason="no aarch64 cross compiler: Debian's g++-aarch64-linux-gnu "
+                    "(apt-get install -y g++-aarch64-linux-gnu; .ci/run installs it)")
+def test_cpu_sources_compile_for_aarch64():
+    """Every cpu backend source as aarch64 builds it (the portable ISA only, no x86 intrinsics),
+    against this torch's headers. Syntax and semantics (templates instantiated), no code."""
+    from torch.utils import cpp_extension
+    sources = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("csrc/cpu/*.cpp"), *ROOT.glob("csrc/cpu/kernels/*.cpp")])
+    assert any("kernels/attention.cpp" in s for s in sources) and any("dispatch.cpp" in s for s in sources)
+    flags = ["-std=c++20", "-fsyntax-only", "-fopenmp", "-DPAGED_CPU_ISA_NS=isa_portable",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Icsrc",
+             *(f"-I{d}" for d in cpp_extension.include_paths())]
+    procs = {src: subprocess.Popen([CROSS_CXX, *flags, src], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True) for src in sources}
+    failed = {}
+    for src, p in procs.items():
+        out, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            failed[src] = out[-3000:]
+    assert not failed, "\n".join(f"{src}:\n{out}" for src, out in failed.items())
