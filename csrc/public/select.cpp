@@ -18,6 +18,8 @@
 #include <string>
 
 #ifdef PAGED_OPS_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+
 namespace paged_cuda {
 bool has_kernel_image(int device);  // csrc/cuda/device_support.cu
 }
@@ -87,6 +89,8 @@ bool runs_on(int backend, c10::DeviceType type) {
 bool cuda_kernels_run_on(int device) {
   constexpr int kMaxDevices = 64;
   static std::array<std::atomic<int8_t>, kMaxDevices> known{};  // 0 unknown, 1 yes, 2 no
+  // No such GPU (selected_backend("cuda") on a machine without one): not a missing image.
+  if (device >= c10::cuda::device_count()) return false;
   if (device < 0 || device >= kMaxDevices) return paged_cuda::has_kernel_image(device);
   const int8_t state = known[device].load(std::memory_order_acquire);
   if (state != 0) return state == 1;
