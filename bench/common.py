@@ -64,6 +64,31 @@ def today() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
 
 
+# When this process (one benchmark run) started: every file the run writes carries it, so a second
+# run never overwrites the first, and a run's JSON and plots share one name.
+RUN_STARTED = _dt.datetime.now(_dt.timezone.utc)
+
+
+def run_stamp() -> str:
+    return RUN_STARTED.strftime("%Y%m%dT%H%M%SZ")
+
+
+def commit_tag(state: dict | None = None) -> str:
+    """The short commit, '-dirty' when the working tree's tracked files differed from it."""
+    state = git_state() if state is None else state
+    commit = (state.get("commit") or "nogit")[:10]
+    return commit + ("-dirty" if state.get("modified_files") else "")
+
+
+def cpu_isa() -> str:
+    """The cpu backend's active instruction set (csrc/cpu/isa.h), or 'n/a' without the extension."""
+    try:
+        import paged_ops  # noqa: F401  (loads the extension)
+        return str(torch.ops.paged_cpu.isa())
+    except (ImportError, AttributeError, RuntimeError):
+        return "n/a"
+
+
 def bench_threads() -> int | None:
     """PAGED_BENCH_THREADS, if set: the CPU thread count for the session (torch and the OpenMP
     kernels). On the shared 2-core machine a 2-thread OpenMP region waits for a time slice
@@ -73,10 +98,11 @@ def bench_threads() -> int | None:
 
 
 def results_path(suffix: str = ".json") -> Path:
-    """bench/results/<machine>-<date>[-<n>threads]<suffix> (the thread count only when
-    PAGED_BENCH_THREADS is set; the directory overridable by PAGED_BENCH_RESULTS)."""
+    """bench/results/<machine>-<run start, UTC>-<commit>[-dirty][-<n>threads]<suffix>: one file
+    per run (the thread count only when PAGED_BENCH_THREADS is set; the directory overridable by
+    PAGED_BENCH_RESULTS)."""
     threads = f"-{bench_threads()}threads" if bench_threads() else ""
-    return RESULTS_DIR / f"{machine_id()}-{today()}{threads}{suffix}"
+    return RESULTS_DIR / f"{machine_id()}-{run_stamp()}-{commit_tag()}{threads}{suffix}"
 
 
 def machine_info() -> dict:
@@ -85,6 +111,7 @@ def machine_info() -> dict:
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "run_started_utc": RUN_STARTED.isoformat(timespec="seconds"), "cpu_isa": cpu_isa(),
             "llc_bytes": last_level_cache_bytes("cpu"),
             # the dev machine is shared: the load when the file was written says how quiet it was
             "loadavg_1m_5m_15m": os.getloadavg(), "git": git_state()}
@@ -164,8 +191,8 @@ def load_results(path: Path) -> dict:
 
 
 def save_section(name: str, payload, path: Path | None = None) -> Path:
-    """Write one section (kernels / engine / kv_waste) into the day's results file, keeping the
-    sections of earlier runs the same day so each benchmark can be rerun alone."""
+    """Write one section (kernels / engine / kv_waste) into this run's results file (sections
+    written earlier in the same run are kept; another run writes its own file)."""
     path = path or results_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = load_results(path)
@@ -193,33 +220,68 @@ def table(rows: Iterable[dict], columns: list[str]) -> str:
     return "\n".join([line(columns), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
-def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path) -> Path | None:
-    """Achieved GB/s against block size, one line per (op, backend) block sweep of the
-    memory-bound ops, the copy bandwidth as a dashed line. Returns the PNG path (None if there
-    was no sweep). Re-plot a results file: ``python -m bench.common bench/results/X.json``."""
-    sweeps: dict[tuple, list] = {}
+# What each op's rate counts, one plot panel per kind: rates with different accounting never share an axis.
+RATE_KINDS = {
+    "decode_attention": ("gbps", "decode: GB/s of KV cache read"),
+    "reshape_and_cache": ("gbps", "cache ops: GB/s read + written"),
+    "copy_blocks": ("gbps", "cache ops: GB/s read + written"),
+    "swap_blocks": ("gbps", "cache ops: GB/s read + written"),
+    "quantize_fp8": ("gbps", "cache ops: GB/s read + written"),
+    "dequantize_fp8": ("gbps", "cache ops: GB/s read + written"),
+    "prefill_attention": ("tflops", "prefill: TFLOP/s (causal attention)"),
+}
+
+
+def shape_text(r: dict) -> str:
+    """A sweep's fixed shape, e.g. '16 seqs x 2048 tok, 32/8 heads, d128, bfloat16 (fp8_e4m3 cache)'."""
+    cache = f" ({r['cache_dtype']} cache)" if r.get("cache_dtype") else ""
+    layers = f", {r['num_layers']} layers" if r.get("num_layers", 1) > 1 else ""
+    return (f"{r['num_seqs']} seqs x {r['context_len']} tok, {r['num_heads']}/{r['num_kv_heads']} heads, "
+            f"d{r['head_size']}, {r['dtype']}{cache}{layers}")
+
+
+def plot_title(info: dict) -> str:
+    """Machine, threads, the cpu ISA, commit and run start: what makes two plots comparable."""
+    return (f"{info.get('machine', machine_id())}, {info.get('torch_threads', torch.get_num_threads())} threads, "
+            f"cpu ISA {info.get('cpu_isa', 'n/a')}, commit {commit_tag(info.get('git') or {})}, "
+            f"run {info.get('run_started_utc', RUN_STARTED.isoformat(timespec='seconds'))}")
+
+
+def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path,
+                      info: dict | None = None) -> Path | None:
+    """Achieved rate against block size, one line per (op, backend, shape) block sweep, one panel
+    per kind of rate (RATE_KINDS), y axes from 0; the copy bandwidth as a dashed line on the GB/s
+    panels. info: the run's machine_info (default: this process's). Returns the PNG path (None if
+    there was no sweep). Re-plot a results file: ``python -m bench.common bench/results/X.json``."""
+    panels: dict[str, dict[tuple, list]] = {}
     for r in records:
-        # prefill is compute-bound (its rate is TFLOP/s): a GB/s line near zero would only hide the rest
-        if (r.get("sweep") == "block_size" and not r["backend"].startswith("torch-")
-                and r["op"] != "prefill_attention"):
-            sweeps.setdefault((r["op"], r["backend"]), []).append((r["block_size"], r["gbps"]))
-    if not sweeps:
+        if r.get("sweep") != "block_size" or r["backend"].startswith("torch-") or r["op"] not in RATE_KINDS:
+            continue
+        key, kind = RATE_KINDS[r["op"]]
+        panels.setdefault(kind, {}).setdefault((r["op"], r["backend"], shape_text(r)), []).append(
+            (r["block_size"], r[key]))
+    if not panels:
         return None
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for (op, backend), pts in sorted(sweeps.items()):
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{op} [{backend}]")
-    if peak_gbps:
-        ax.axhline(peak_gbps, ls="--", color="gray", label=f"copy {peak_gbps:.1f} GB/s (read+write)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("block size (tokens)")
-    ax.set_ylabel("achieved GB/s")
-    ax.set_title(f"{machine_id()} {today()}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, 3.6 * len(panels)), squeeze=False)
+    for ax, (kind, sweeps) in zip(axes[:, 0], sorted(panels.items())):
+        shapes = {shape for _, _, shape in sweeps}
+        for (op, backend, shape), pts in sorted(sweeps.items()):
+            pts.sort()
+            label = f"{op} [{backend}]" + (f" {shape}" if len(shapes) > 1 else "")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        if peak_gbps and "GB/s" in kind:
+            ax.axhline(peak_gbps, ls="--", color="gray", label=f"copy {peak_gbps:.1f} GB/s (read+write)")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("block size (tokens)")
+        ax.set_ylabel(kind.split(": ", 1)[1])
+        ax.set_title(kind + (f" - {next(iter(shapes))}" if len(shapes) == 1 else ""), fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(plot_title(info or machine_info()), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -230,6 +292,7 @@ def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path) 
 if __name__ == "__main__":  # re-plot a results file (same function as the session end)
     import sys
     src = Path(sys.argv[1])
-    k = json.loads(src.read_text())["kernels"]
+    data = json.loads(src.read_text())
+    k = data["kernels"]
     peak = (k["peaks"].get("cuda") or k["peaks"].get("cpu") or {}).get("copy_gbps")
-    print(plot_block_sweeps(k["rows"], peak, src.with_name(src.stem + "-bandwidth.png")))
+    print(plot_block_sweeps(k["rows"], peak, src.with_name(src.stem + "-bandwidth.png"), data.get("machine_info")))

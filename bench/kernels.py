@@ -304,6 +304,9 @@ def record(case: Case, backend: str, seconds: float, rounds: int, num_sets: int)
     r = asdict(case) | {"backend": backend, "group": case.group, "id": case.id,
                         "seconds": seconds, "rounds": rounds, "input_sets": num_sets,
                         "bytes": bytes_moved(case), "flops": flops(case)}
+    if backend == "cpu":  # which build of the cpu kernels (csrc/cpu/isa.h) the time is of, on how many threads
+        from bench.common import cpu_isa
+        r["cpu_isa"], r["threads"] = cpu_isa(), torch.get_num_threads()
     r["gbps"] = r["bytes"] / seconds / 1e9
     r["tflops"] = r["flops"] / seconds / 1e12
     return r
@@ -363,12 +366,13 @@ def reference_lines(rows: list[dict]) -> list[str]:
 
 def kernel_summary(rows: list[dict], peaks: dict, excluded: dict) -> tuple[dict, str]:
     """(JSON payload, printable text) of a kernel session: rows with their share of the peaks."""
-    from bench.common import STREAM_NOTE, table
+    from bench.common import STREAM_NOTE, cpu_isa, table
     for r in rows:
         r["share_of_peak"] = share_of_peak(r, peaks)
     cols = ["op", "backend", "sweep", "block_size", "num_seqs", "context_len", "num_heads", "num_kv_heads",
             "head_size", "dtype", "cache_dtype", "seconds", "gbps", "tflops", "share_of_peak"]
-    lines = [f"peaks: " + "; ".join(f"{d}: copy {p.get('copy_gbps', float('nan')):.2f} GB/s"
+    lines = [f"cpu ISA {cpu_isa()}, {torch.get_num_threads()} threads",
+             f"peaks: " + "; ".join(f"{d}: copy {p.get('copy_gbps', float('nan')):.2f} GB/s"
                                     + (f", matmul {p['matmul_tflops']:.3g} TFLOP/s ({p['matmul_dtype']})"
                                        if p.get("matmul_tflops") else "")
                                     for d, p in peaks.items()),

@@ -242,3 +242,50 @@ def test_cpu_sources_compile_for_aarch64():
         if p.returncode != 0:
             failed[src] = out[-3000:]
     assert not failed, "\n".join(f"{src}:\n{out}" for src, out in failed.items())
+
+
+# --- bench results (#14 item 4): one file per run, plots a reader can compare --------------------
+
+def test_bench_results_file_per_run(tmp_path):
+    """Two runs on the same day write two files (the name used to be <machine>-<date>.json), named
+    with the run's start and the commit."""
+    code = "from bench import common; print(common.results_path())"
+    env = os.environ | {"PAGED_BENCH_RESULTS": str(tmp_path)}
+    names = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        names.append(Path(r.stdout.strip()).name)
+        import time
+        time.sleep(1.1)
+    from bench import common
+    assert names[0] != names[1], names
+    for name in names:
+        assert name.startswith(common.machine_id() + "-") and common.commit_tag() in name, name
+
+
+def test_bench_plot_panels_titles_and_axes(tmp_path, monkeypatch):
+    """One panel per kind of rate (decode's KV-read GB/s, the cache ops' read+write GB/s, prefill's
+    TFLOP/s), y from 0, the shape in the panel title, threads / ISA / commit in the figure's."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench import common
+    figures = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figures.append(fig))
+    shape = dict(num_seqs=16, context_len=2048, num_heads=32, num_kv_heads=8, head_size=128, dtype="bfloat16",
+                 cache_dtype=None, num_layers=1, sweep="block_size", backend="cpu")
+    rows = [dict(shape, op=op, block_size=bs, gbps=50.0 + bs, tflops=0.2 + bs / 100)
+            for op in ("decode_attention", "reshape_and_cache", "copy_blocks", "prefill_attention") for bs in (1, 16)]
+    png = common.plot_block_sweeps(rows, 30.0, tmp_path / "x.png")
+    assert png is not None and png.exists()
+    [fig] = figures
+    titles = sorted(ax.get_title() for ax in fig.axes)
+    assert len(titles) == 3, titles
+    assert [t.split(":")[0] for t in titles] == ["cache ops", "decode", "prefill"], titles
+    assert all("16 seqs x 2048 tok, 32/8 heads, d128, bfloat16" in t for t in titles), titles
+    assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
+    title = fig._suptitle.get_text()
+    assert f"{torch.get_num_threads()} threads" in title and f"cpu ISA {ACTIVE}" in title, title
+    assert f"commit {common.commit_tag()}" in title, title
