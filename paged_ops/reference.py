@@ -1,13 +1,29 @@
-"""Naive PyTorch versions of every ``paged`` op: the oracle for all tests and the
-readable specification of the op contract.
+"""The op contract of namespace ``paged``, written once: naive PyTorch versions of every op.
 
-Every function has the same signature as its op and writes into its output
-argument. Pass float64 tensors (``query.double()``, a float64 ``out``) to get the
-float64 answer the tests compare against; caches may stay in their storage dtype
-(float8 caches are dequantized exactly into float64 here).
+This module is the specification (README, docs/CONTRACT_NOTES.md, csrc/ops.h and the wrappers in
+``paged_ops`` point here) and the oracle every test compares against.
 
-Cache layout: ``[num_blocks, block_size, num_kv_heads, head_size]`` (any strides).
-Token ``j`` of a sequence lives at ``cache[block_table[j // block_size], j % block_size]``.
+Every function has the same signature as its op and writes into its output argument; the ops
+return nothing. Pass float64 tensors (``query.double()``, a float64 ``out``) to get the float64
+answer the tests compare against; caches may stay in their storage dtype (float8 caches are
+dequantized exactly into float64 here).
+
+Rules shared by every op (the public ops check them and raise ``ValueError`` naming the argument):
+
+- Caches: ``[num_blocks, block_size, num_kv_heads, head_size]`` addressed by strides (a cache
+  allocated ``[num_blocks, num_kv_heads, block_size, head_size]`` and permuted to this view works
+  too); token ``j`` of a sequence lives at ``cache[block_table[j // block_size], j % block_size]``.
+  The last dimension of every activation and cache is contiguous.
+- Any block size >= 1; head sizes that are multiples of 8 up to 256; query dtypes float32,
+  float16, bfloat16; caches of the query dtype or fp8 (``float8_e4m3fn``, ``float8_e5m2``), which
+  need ``k_scale``/``v_scale``: float32, 1 element (per tensor) or num_kv_heads (per KV head).
+- GQA: num_heads is any multiple of num_kv_heads; query head ``h`` reads KV head
+  ``h // (num_heads // num_kv_heads)``.
+- Index tensors: block_tables, seq_lens, cu_seqlens_q int32; slot_mapping, block_mapping int64;
+  all contiguous. Cache slots no sequence reaches and block-table entries past a sequence's length
+  are never read.
+- Checks that read tensor contents (block ids, slots, indices, lengths) always run on CPU
+  tensors; on CUDA tensors they cost a device sync, so they run only with ``PAGED_OPS_CHECK=1``.
 """
 from __future__ import annotations
 
@@ -82,8 +98,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Write token ``t``'s key/value into slot ``slot_mapping[t]`` (skipped when negative).
 
-    key, value: [num_tokens, num_kv_heads, head_size]; slot = block * block_size + offset.
-    fp8 caches store the saturating cast of ``x / scale`` (per tensor or per KV head).
+    key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens],
+    slot = block * block_size + offset. fp8 caches store the saturating cast of ``x / scale``
+    (``saturating_fp8_cast``; per tensor or per KV head).
     """
     block_size = key_cache.shape[1]
     for cache, x, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
@@ -104,7 +121,11 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
 
     query, out: [total_q_tokens, num_heads, head_size]; sequence ``s`` owns query rows
     ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]`` and attends to its first ``seq_lens[s]`` cached
-    tokens, which include the new tokens themselves (their K/V are already in the cache).
+    tokens, which include the new tokens themselves (their K/V are already in the cache), so
+    0 <= q_len <= seq_len. cu_seqlens_q: int32 [num_seqs + 1], from 0 to total_q_tokens;
+    max_seqlen_q: the longest q_len (a hint: no row is left uncomputed if it is too small, but
+    validation rejects it on CPU tensors). Causal is bottom-right aligned (``attention``), so one
+    batch covers prefill, chunked prefill over cached context and decode rows (q_len = 1).
     """
     cu = cu_seqlens_q.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
@@ -120,7 +141,8 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                      k_scale=None, v_scale=None) -> None:
     """One query token per sequence attending to all ``seq_lens[s]`` cached tokens.
 
-    query, out: [num_seqs, num_heads, head_size]. Same as prefill with q_len = 1.
+    query, out: [num_seqs, num_heads, head_size]; block_tables: int32 [num_seqs, max_blocks];
+    seq_lens: int32 [num_seqs], each >= 1. Same as prefill with q_len = 1.
     """
     num_seqs = query.shape[0]
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32)
@@ -129,7 +151,10 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
 
 
 def quantize_fp8(out, input, scale) -> None:
-    """``out = saturate(input / scale)`` cast to out's fp8 dtype (round-to-nearest-even)."""
+    """``out = saturate(input / scale)`` cast to out's fp8 dtype (round-to-nearest-even).
+
+    Bit-identical to torch's cast of ``(input / scale).clamp(-max, max)``; scale: float32, 1 element.
+    """
     out.copy_(saturating_fp8_cast(input, scale.reshape(()), out.dtype))
 
 
@@ -139,7 +164,11 @@ def dequantize_fp8(out, input, scale) -> None:
 
 
 def copy_blocks(key_caches, value_caches, block_mapping) -> None:
-    """For every (src, dst) row of ``block_mapping`` and every layer: ``cache[dst] = cache[src]``."""
+    """For every (src, dst) row of ``block_mapping`` and every layer: ``cache[dst] = cache[src]``.
+
+    block_mapping: int64 [n, 2], on the CPU or the caches' device; destinations are distinct and
+    never sources (copy-on-write), so the order of the rows does not matter.
+    """
     for src, dst in block_mapping.tolist():
         for cache in (*key_caches, *value_caches):
             cache[dst] = cache[src]
