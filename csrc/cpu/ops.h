@@ -1,5 +1,5 @@
 // The cpu backend: C++/OpenMP kernels; attention computes in fp32 and keeps its running sums in fp64.
-// Inputs are validated before they get here (the public op path, csrc/public/).
+// Inputs are validated before they get here (the public op path, csrc/public/); semantics: paged_ops/reference.py.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <optional>
