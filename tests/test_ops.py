@@ -328,6 +328,23 @@ def test_prefill_with_no_queries(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("max_seqlen_q", [0, 1, 7])
+def test_prefill_max_seqlen_q_is_only_a_hint(backend, max_seqlen_q):
+    # On CUDA tensors nothing checks max_seqlen_q unless PAGED_OPS_CHECK=1 (it would cost a sync),
+    # so a kernel handed too small a value must still compute every row (docs/CONTRACT_NOTES.md).
+    # Called through the backend's own kernel entry point, which trusts its caller.
+    device = device_of(backend)
+    c = make_case([40, 9, 3], [40, 1, 3], num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                  seed=13, device=device)
+    out = nan_like(c.query)
+    args = list(c.prefill_args(out))
+    args[7] = max_seqlen_q
+    paged_ops.backend(backend).unchecked("prefill_attention")(*args)
+    sync(device)
+    assert_close(out, c.reference_prefill(), c.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_strided_query_and_out(backend):
     # Rows of query and out strided (a wider buffer's halves; only stride(-1) == 1 is promised):
     # the result is right and nothing outside out's view is written.

@@ -208,7 +208,9 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads
     block_m = max(config["BLOCK_M"], next_pow2(group_size))
-    if max_seqlen_q <= 0:
+    # max_seqlen_q is only a hint (unchecked on CUDA tensors): the grid below does not depend on
+    # it, so no row is left unwritten when it is too small. Only no rows at all means no work.
+    if query.shape[0] == 0:
         return
     k_scale_t, k_per_head = scale_arg(k_scale, query)
     v_scale_t, v_per_head = scale_arg(v_scale, query)
