@@ -49,7 +49,9 @@ inline constexpr int kTileTokens = 32;  // a multiple of 8: softmax runs on whol
 // Below this many tasks per thread a long sequence is split; splits never get shorter than this.
 inline constexpr int kTasksPerThread = 4;
 inline constexpr int kMinSplitTokens = 256;
-inline constexpr int64_t kMinParallelWork = int64_t(1) << 21;  // ~0.2 ms of one core
+// Multiply-adds below which a call runs on the calling thread: starting an OpenMP region costs
+// more than such a call's whole work.
+inline constexpr int64_t kMinParallelWork = int64_t(1) << 21;
 
 struct Task {
   int64_t seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
@@ -79,7 +81,7 @@ struct Scratch {
 
 // Into L2, not L1: the next tile is 16 KiB per KV head, which L1 prefetches (prefetcht0) cannot
 // keep in flight (they wait on L1's few miss buffers and stall the core); L2 holds it easily and
-// the loads then hit L2. Measured on the 2-core dev machine: decode 11 ms -> 7 ms.
+// the loads then hit L2 (bench/README.md has the decode rates).
 // asm volatile because GCC 12 dropped __builtin_prefetch from this code at -O1 and -O3.
 inline void prefetch(const void* p) {
 #if defined(__x86_64__)
