@@ -498,18 +498,7 @@ def quantize(backend, x, fp8, scale_value=0.37):
     return got.cpu(), want
 
 
-def _triton_version() -> tuple[int, ...]:
-    try:
-        import triton
-    except ImportError:
-        return ()
-    return tuple(int(x) for x in triton.__version__.split(".")[:2])
-
-
-# Seen with triton 3.8; triton 3.6 (make test-oldest) writes torch's 0x7F, and a strict xfail there fails.
-@pytest.mark.parametrize("backend,fp8", with_backends(FP8_DTYPES, known_bugs={
-    "triton": "triton quantize_fp8 writes 0xFF (a negative NaN) for a positive NaN input; torch's cast gives 0x7F"}
-    if _triton_version() >= (3, 8) else None))
+@pytest.mark.parametrize("backend,fp8", with_backends(FP8_DTYPES))
 def test_quantize_fp8_float32_nan_inputs(backend, fp8):
     """A float32 NaN gives the reference's (torch's cast's) NaN byte, sign included."""
     got, want = quantize(backend, nan_inputs(F32), fp8)

@@ -29,9 +29,11 @@ def saturating_fp8_bits(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.c
     y: fp32 tensor of any shape. NaN maps to 0x7F | sign, as torch's cast does.
     """
     is_nan = y != y
+    # The sign before the clamp: clamping keeps every number's sign, but min/max of a NaN may
+    # return either operand (triton 3.8 returns -FP8_MAX for +NaN), which would flip a NaN's sign.
+    sign = (y.to(tl.uint32, bitcast=True) >> 24) & 0x80
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     bits = y.to(tl.uint32, bitcast=True)
-    sign = (bits >> 24) & 0x80
     abits = bits & 0x7FFFFFFF
     exponent = (abits >> 23).to(tl.int32) - 127
 
