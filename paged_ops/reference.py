@@ -74,12 +74,29 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     return _dequantize_kv(tokens, scale)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """Softmax attention of one sequence in float64.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, *,
+              softcap: float = 0.0, window_left: int = -1, sinks: torch.Tensor | None = None,
+              alibi_slopes: torch.Tensor | None = None, return_lse: bool = False):
+    """Softmax attention of one sequence in float64 (the definition of every attention op).
 
     q: [q_len, num_heads, head_size]; k, v: [kv_len, num_kv_heads, head_size].
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
-    Causal is bottom-right aligned: query ``i`` sees KV positions ``0 .. kv_len - q_len + i``.
+
+    Query row ``i`` sits at position ``p = kv_len - q_len + i`` (bottom-right aligned: the new
+    tokens are the last ``q_len`` of the sequence; decode is ``q_len = 1``, ``p = kv_len - 1``).
+    Key ``j`` is visible iff ``(not causal or j <= p) and (window_left < 0 or j >= p - window_left)``.
+    With ``s_j = scale * (q . k_j)``:
+
+    1. ``softcap > 0``: ``s_j = softcap * tanh(s_j / softcap)`` (Gemma 2, Grok);
+    2. ``alibi_slopes`` (float32 ``[num_heads]``): ``s_j += slope[h] * (j - p)`` (BLOOM, MPT);
+    3. the row's denominator is ``Z = sum over visible j of exp(s_j)``, plus ``exp(sinks[h])`` when
+       ``sinks`` (float32 ``[num_heads]``, gpt-oss) is given; ``out = sum exp(s_j) v_j / Z``: a sink is a
+       key with a logit and no value;
+    4. the log-sum-exp of the row is ``ln Z`` (natural log, of the scaled, capped, biased scores).
+
+    A row with no visible key and no sink is NaN with log-sum-exp -inf; with a sink it is 0 with
+    log-sum-exp ``sinks[h]``. Returns ``out: [q_len, num_heads, head_size]`` and, with
+    ``return_lse``, also ``lse: [q_len, num_heads]`` (float64).
     """
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
@@ -87,12 +104,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     q = q.to(torch.float64)
     k = k.to(torch.float64).repeat_interleave(group, dim=1)
     v = v.to(torch.float64).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    device = q.device
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [num_heads, q_len, kv_len]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    position = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len)  # p: [q_len, 1]
+    key = torch.arange(kv_len, device=device).unsqueeze(0)  # j: [1, kv_len]
+    if alibi_slopes is not None:
+        distance = (key - position).to(torch.float64)  # j - p: [q_len, kv_len]
+        scores = scores + alibi_slopes.to(device, torch.float64).view(-1, 1, 1) * distance
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     if causal:
-        last_visible = torch.arange(q_len).unsqueeze(1) + (kv_len - q_len)
-        hidden = torch.arange(kv_len).unsqueeze(0) > last_visible
-        scores = scores.masked_fill(hidden.to(scores.device), -math.inf)
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+        visible &= key <= position
+    if window_left >= 0:
+        visible &= key >= position - window_left
+    scores = scores.masked_fill(~visible, -math.inf)
+    if sinks is not None:
+        # The sink is one more logit per head in the denominator, with no value.
+        sink = sinks.to(device, torch.float64).view(-1, 1, 1).expand(num_heads, q_len, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    lse = torch.logsumexp(scores, dim=-1)  # [num_heads, q_len]; -inf for a row with nothing
+    probs = torch.exp(scores - lse.unsqueeze(-1))  # NaN for a row with nothing: (-inf) - (-inf)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    out = torch.einsum("hqk,khd->qhd", probs, v)
+    return (out, lse.transpose(0, 1)) if return_lse else out
 
 
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
@@ -116,7 +152,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                      max_seqlen_q, scale, causal, k_scale=None, v_scale=None) -> None:
+                      max_seqlen_q, scale, causal=True, k_scale=None, v_scale=None, *, softcap=0.0,
+                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False) -> None:
     """Varlen paged attention over a flattened batch of query tokens.
 
     query, out: [total_q_tokens, num_heads, head_size]; sequence ``s`` owns query rows
@@ -126,6 +163,16 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
     max_seqlen_q: the longest q_len (a hint: no row is left uncomputed if it is too small, but
     validation rejects it on CPU tensors). Causal is bottom-right aligned (``attention``), so one
     batch covers prefill, chunked prefill over cached context and decode rows (q_len = 1).
+
+    Keyword-only variants (``attention`` defines them): ``softcap`` >= 0 (0: none),
+    ``window_left`` >= -1 (-1: no window; a query sees itself and ``window_left`` keys before
+    it), ``sinks`` and ``alibi_slopes`` float32 ``[num_heads]`` on the query's device, and ``lse``:
+    float32 ``[total_q_tokens, num_heads]``, contiguous, written with each row's log-sum-exp.
+
+    ``batch_invariant=True`` (also ``paged_ops.batch_invariant()`` and
+    ``PAGED_OPS_BATCH_INVARIANT=1``) changes no value here, only how a backend may compute it: every
+    row's ``out`` and ``lse`` are then bitwise the same whatever else is in the batch, however many
+    threads run, and whether the row comes from ``decode_attention`` or from a prefill of any q_len.
     """
     cu = cu_seqlens_q.tolist()
     for s, seq_len in enumerate(seq_lens.tolist()):
@@ -134,20 +181,48 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
         k = gather_kv(key_cache, block_tables[s], seq_len, k_scale)
         v = gather_kv(value_cache, block_tables[s], seq_len, v_scale)
         rows = slice(cu[s], cu[s + 1])
-        out[rows] = attention(query[rows], k, v, scale, causal).to(out.dtype)
+        o, row_lse = attention(query[rows], k, v, scale, causal, softcap=softcap, window_left=window_left,
+                               sinks=sinks, alibi_slopes=alibi_slopes, return_lse=True)
+        out[rows] = o.to(out.dtype)
+        if lse is not None:
+            lse[rows] = row_lse.to(lse.dtype)
 
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                     k_scale=None, v_scale=None) -> None:
+                     k_scale=None, v_scale=None, *, softcap=0.0, window_left=-1, sinks=None,
+                     alibi_slopes=None, lse=None, batch_invariant=False) -> None:
     """One query token per sequence attending to all ``seq_lens[s]`` cached tokens.
 
     query, out: [num_seqs, num_heads, head_size]; block_tables: int32 [num_seqs, max_blocks];
-    seq_lens: int32 [num_seqs], each >= 1. Same as prefill with q_len = 1.
+    seq_lens: int32 [num_seqs], each >= 1; lse: float32 [num_seqs, num_heads]. Same as prefill
+    with q_len = 1 (causal), variants and ``batch_invariant`` included.
     """
     num_seqs = query.shape[0]
     cu_seqlens_q = torch.arange(num_seqs + 1, dtype=torch.int32)
     prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                      1, scale, True, k_scale, v_scale)
+                      1, scale, True, k_scale, v_scale, softcap=softcap, window_left=window_left,
+                      sinks=sinks, alibi_slopes=alibi_slopes, lse=lse, batch_invariant=batch_invariant)
+
+
+def merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
+    """Attention over two disjoint key sets, from attention over each (cascade / shared-prefix).
+
+    out, prefix_out, suffix_out: [num_tokens, num_heads, head_size] (one float dtype);
+    prefix_lse, suffix_lse, out_lse (optional): float32 [num_tokens, num_heads], contiguous.
+    With a, b the two log-sum-exps: ``out = (e^a prefix_out + e^b suffix_out) / (e^a + e^b)``,
+    ``out_lse = ln(e^a + e^b)``. A side whose lse is -inf contributes nothing; both -inf gives
+    a NaN row and -inf. A side with lse +inf or NaN makes the row NaN.
+    """
+    a = prefix_lse.to(torch.float64)
+    b = suffix_lse.to(torch.float64)
+    m = torch.maximum(a, b)
+    m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # both -inf: weights 0/0 = NaN
+    wa, wb = torch.exp(a - m), torch.exp(b - m)
+    total = wa + wb
+    merged = (wa.unsqueeze(-1) * prefix_out.to(torch.float64) + wb.unsqueeze(-1) * suffix_out.to(torch.float64))
+    out.copy_((merged / total.unsqueeze(-1)).to(out.dtype))
+    if out_lse is not None:
+        out_lse.copy_((m + torch.log(total)).to(out_lse.dtype))
 
 
 def quantize_fp8(out, input, scale) -> None:
