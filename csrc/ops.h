@@ -18,14 +18,23 @@
 #define PAGED_OPS_SCHEMA_RESHAPE_AND_CACHE                                                     \
   "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, " \
   "Tensor slot_mapping, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+// The keyword-only tail decode_attention and prefill_attention share (reference.attention):
+// logit soft-cap (0: none), sliding window (-1: none), per-head sinks and ALiBi slopes (float32
+// [num_heads]), the rows' log-sum-exp out (float32 [num_tokens, num_heads]), and the
+// batch-invariant mode (bitwise results independent of the rest of the batch; the public op also
+// turns it on inside paged_ops.batch_invariant() and with PAGED_OPS_BATCH_INVARIANT=1).
+#define PAGED_OPS_SCHEMA_ATTENTION_VARIANTS                                                    \
+  "*, float softcap=0.0, int window_left=-1, Tensor? sinks=None, Tensor? alibi_slopes=None, "  \
+  "Tensor(b!)? lse=None, bool batch_invariant=False"
 #define PAGED_OPS_SCHEMA_DECODE_ATTENTION                                                      \
   "decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "      \
   "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale=None, "                  \
-  "Tensor? v_scale=None) -> ()"
+  "Tensor? v_scale=None, " PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()"
 #define PAGED_OPS_SCHEMA_PREFILL_ATTENTION                                                     \
   "prefill_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "     \
   "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, SymInt max_seqlen_q, "           \
-  "float scale, bool causal=True, Tensor? k_scale=None, Tensor? v_scale=None) -> ()"
+  "float scale, bool causal=True, Tensor? k_scale=None, Tensor? v_scale=None, "               \
+  PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()"
 #define PAGED_OPS_SCHEMA_QUANTIZE_FP8 "quantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()"
 #define PAGED_OPS_SCHEMA_DEQUANTIZE_FP8 \
   "dequantize_fp8(Tensor(a!) out, Tensor input, Tensor scale) -> ()"
@@ -34,10 +43,15 @@
 #define PAGED_OPS_SCHEMA_SWAP_BLOCKS \
   "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()"
 
+#define PAGED_OPS_SCHEMA_MERGE_ATTENTION_STATES                                                       \
+  "merge_attention_states(Tensor(a!) out, Tensor(b!)? out_lse, Tensor prefix_out, Tensor prefix_lse, " \
+  "Tensor suffix_out, Tensor suffix_lse) -> ()"
+
 #define PAGED_OPS_DEFINE_SCHEMAS(m)              \
   m.def(PAGED_OPS_SCHEMA_RESHAPE_AND_CACHE);     \
   m.def(PAGED_OPS_SCHEMA_DECODE_ATTENTION);      \
   m.def(PAGED_OPS_SCHEMA_PREFILL_ATTENTION);     \
+  m.def(PAGED_OPS_SCHEMA_MERGE_ATTENTION_STATES); \
   m.def(PAGED_OPS_SCHEMA_QUANTIZE_FP8);          \
   m.def(PAGED_OPS_SCHEMA_DEQUANTIZE_FP8);        \
   m.def(PAGED_OPS_SCHEMA_COPY_BLOCKS);           \

@@ -29,8 +29,8 @@ import torch
 
 from . import _C
 
-OPS = ("reshape_and_cache", "decode_attention", "prefill_attention", "quantize_fp8",
-       "dequantize_fp8", "copy_blocks", "swap_blocks")
+OPS = ("reshape_and_cache", "decode_attention", "prefill_attention", "merge_attention_states",
+       "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks")
 
 # Index order is the C++ side's (csrc/public/select.h); names, in that order, are the
 # available_backends() order.
@@ -153,7 +153,7 @@ def _device_of(op: str, args) -> torch.device:
         return args[0][0].device
     if op == "swap_blocks":  # a GPU<->CPU swap belongs to the GPU's side
         return args[1].device if args[0].device.type == "cpu" else args[0].device
-    return args[1].device if op != "reshape_and_cache" else args[0].device
+    return args[0].device if op in ("reshape_and_cache", "merge_attention_states") else args[1].device
 
 
 def _triton_kernel(op: str) -> Callable:

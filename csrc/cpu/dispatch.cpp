@@ -150,15 +150,16 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 }
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                      const OptTensor& k_scale, const OptTensor& v_scale) {
-  active().decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+                      const OptTensor& k_scale, const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
+  active().decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                            PAGED_OPS_VARIANT_ARGS);
 }
 void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                        int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                       const OptTensor& v_scale) {
+                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   active().prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                             max_seqlen_q, scale, causal, k_scale, v_scale);
+                             max_seqlen_q, scale, causal, k_scale, v_scale, PAGED_OPS_VARIANT_ARGS);
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   active().quantize_fp8(out, input, scale);

@@ -4,6 +4,8 @@
 #include <ATen/core/Tensor.h>
 #include <optional>
 
+#include "attention_variants.h"
+
 // The kernels built once per instruction set (csrc/cpu/isa.h): declared in paged::cpu, where
 // csrc/cpu/dispatch.cpp forwards them to the active ISA's build, and in each ISA's namespace.
 #define PAGED_CPU_DECLARE_ISA_KERNELS                                                                    \
@@ -12,11 +14,13 @@
                          const OptTensor& v_scale);                                                       \
   void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,                        \
                         const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,    \
-                        double scale, const OptTensor& k_scale, const OptTensor& v_scale);                \
+                        double scale, const OptTensor& k_scale, const OptTensor& v_scale,                 \
+                        PAGED_OPS_VARIANT_PARAMS);                                                         \
   void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,                       \
                          const Tensor& value_cache, const Tensor& block_tables,                           \
                          const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q,        \
-                         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale);  \
+                         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale,   \
+                         PAGED_OPS_VARIANT_PARAMS);                                                        \
   void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);                               \
   void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
 

@@ -16,6 +16,7 @@
 #include <optional>
 #include <vector>
 
+#include "attention_variants.h"
 #include "kernels/launch.h"
 #include "kernels/params.h"
 #include "kernels/plan.h"
@@ -102,7 +103,12 @@ void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, 
 inline AttentionParams attention_params(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                                         const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                                         const Tensor* cu_seqlens_q, int64_t max_seqlen_q, double scale, bool causal,
-                                        const OptTensor& k_scale, const OptTensor& v_scale, int num_sms) {
+                                        const OptTensor& k_scale, const OptTensor& v_scale,
+                                        const AttentionVariants& variants, int num_sms) {
+  // TODO(#13, cuda): the variants in the kernels; until then only the plain call runs here.
+  TORCH_CHECK_NOT_IMPLEMENTED(variants.softcap == 0 && variants.window_left < 0 && !variants.sinks &&
+                                  !variants.alibi_slopes && !variants.lse && !variants.batch_invariant,
+                              "paged_cuda: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant not yet implemented");
   AttentionParams p{};
   set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
   p.out = out.data_ptr();
@@ -126,15 +132,22 @@ inline AttentionParams attention_params(const Tensor& out, const Tensor& query, 
   p.scale = float(scale);
   p.causal = causal;
   p.num_sms = num_sms;
+  p.softcap = float(variants.softcap);
+  p.window_left = variants.window_left;
+  p.sinks = variants.sinks_ptr();
+  p.alibi_slopes = variants.alibi_slopes_ptr();
+  p.lse = variants.lse_ptr();
+  p.batch_invariant = variants.batch_invariant;
   return p;
 }
 
 inline void decode_attention(const Target& tgt, const LaunchConfig* cfg, Tensor& out, const Tensor& query,
                              const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
-                             const Tensor& seq_lens, double scale, const OptTensor& k_scale, const OptTensor& v_scale) {
+                             const Tensor& seq_lens, double scale, const OptTensor& k_scale, const OptTensor& v_scale,
+                             const AttentionVariants& variants) {
   if (query.size(0) == 0) return;
   const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, 1,
-                                             scale, true, k_scale, v_scale, tgt.num_sms);
+                                             scale, true, k_scale, v_scale, variants, tgt.num_sms);
   const DecodePlan plan = plan_decode(p, resolve_config(tgt, cfg, p, /*decode=*/true));
   Tensor workspace;
   if (plan.workspace_floats) workspace = at::empty({int64_t(plan.workspace_floats)}, query.options().dtype(at::kFloat));
@@ -144,11 +157,12 @@ inline void decode_attention(const Target& tgt, const LaunchConfig* cfg, Tensor&
 inline void prefill_attention(const Target& tgt, const LaunchConfig* cfg, Tensor& out, const Tensor& query,
                               const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
                               const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q, double scale,
-                              bool causal, const OptTensor& k_scale, const OptTensor& v_scale) {
+                              bool causal, const OptTensor& k_scale, const OptTensor& v_scale,
+                              const AttentionVariants& variants) {
   if (query.size(0) == 0 || seq_lens.size(0) == 0) return;  // no query row: nothing to write
   const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                              &cu_seqlens_q, max_seqlen_q, scale, causal, k_scale, v_scale,
-                                             tgt.num_sms);
+                                             variants, tgt.num_sms);
   (*tgt.prefill)(p, plan_prefill(p, resolve_config(tgt, cfg, p, /*decode=*/false)), tgt.stream);
 }
 

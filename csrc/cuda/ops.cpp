@@ -59,30 +59,31 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 }
 void decode_attention_with(const paged::LaunchConfig* cfg, Tensor& out, const Tensor& query, const Tensor& key_cache,
                            const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                           const OptTensor& k_scale, const OptTensor& v_scale) {
+                           const OptTensor& k_scale, const OptTensor& v_scale, const paged::AttentionVariants& variants) {
   const c10::cuda::CUDAGuard guard(query.device());
   B::decode_attention(target(query.device()), cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                      k_scale, v_scale);
+                      k_scale, v_scale, variants);
 }
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, double scale, const OptTensor& k_scale,
-                      const OptTensor& v_scale) {
-  decode_attention_with(nullptr, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+                      const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
+  decode_attention_with(nullptr, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                        paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 void prefill_attention_with(const paged::LaunchConfig* cfg, Tensor& out, const Tensor& query, const Tensor& key_cache,
                             const Tensor& value_cache, const Tensor& block_tables, const Tensor& cu_seqlens_q,
                             const Tensor& seq_lens, int64_t max_seqlen_q, double scale, bool causal,
-                            const OptTensor& k_scale, const OptTensor& v_scale) {
+                            const OptTensor& k_scale, const OptTensor& v_scale, const paged::AttentionVariants& variants) {
   const c10::cuda::CUDAGuard guard(query.device());
   B::prefill_attention(target(query.device()), cfg, out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                       seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale);
+                       seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale, variants);
 }
 void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                        int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                       const OptTensor& v_scale) {
+                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   prefill_attention_with(nullptr, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                         max_seqlen_q, scale, causal, k_scale, v_scale);
+                         max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   const c10::cuda::CUDAGuard guard(input.device());
@@ -108,17 +109,19 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
 // ---- test namespace: the same kernels with an explicit launch configuration ----------------------
 void decode_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config) {
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config,
+                             PAGED_OPS_VARIANT_PARAMS) {
   const paged::LaunchConfig cfg = B::config_from_list(config);
-  decode_attention_with(&cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+  decode_attention_with(&cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                        paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                               const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                               int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                              const OptTensor& v_scale, at::IntArrayRef config) {
+                              const OptTensor& v_scale, at::IntArrayRef config, PAGED_OPS_VARIANT_PARAMS) {
   const paged::LaunchConfig cfg = B::config_from_list(config);
   prefill_attention_with(&cfg, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
-                         scale, causal, k_scale, v_scale);
+                         scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 
 }  // namespace
@@ -149,10 +152,11 @@ TORCH_LIBRARY_IMPL(paged_cuda, CUDA, m) {
 // tensor_cores], kernels/params.h LaunchConfig; no validation of the tensors.
 TORCH_LIBRARY(paged_cuda_test, m) {
   m.def("decode_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config, "
+        PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()");
   m.def("prefill_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
-        "Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+        "Tensor? k_scale, Tensor? v_scale, int[] config, " PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()");
 }
 
 TORCH_LIBRARY_IMPL(paged_cuda_test, CUDA, m) {

@@ -36,16 +36,16 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 }
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, double scale, const OptTensor& k_scale,
-                      const OptTensor& v_scale) {
+                      const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   B::decode_attention(kTarget, nullptr, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
-                      v_scale);
+                      v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                        int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                       const OptTensor& v_scale) {
+                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   B::prefill_attention(kTarget, nullptr, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                       max_seqlen_q, scale, causal, k_scale, v_scale);
+                       max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) { B::quantize_fp8(kTarget, out, input, scale); }
 void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
@@ -61,18 +61,19 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
 // ---- test namespace ---------------------------------------------------------------------------
 void decode_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config) {
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config,
+                             PAGED_OPS_VARIANT_PARAMS) {
   const paged::LaunchConfig cfg = B::config_from_list(config);
   B::decode_attention(kTarget, &cfg, out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale,
-                      v_scale);
+                      v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                               const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                               int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                              const OptTensor& v_scale, at::IntArrayRef config) {
+                              const OptTensor& v_scale, at::IntArrayRef config, PAGED_OPS_VARIANT_PARAMS) {
   const paged::LaunchConfig cfg = B::config_from_list(config);
   B::prefill_attention(kTarget, &cfg, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                       max_seqlen_q, scale, causal, k_scale, v_scale);
+                       max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 
 // decode_attention_config that also returns how many bytes its kernels read from the two KV
@@ -86,7 +87,7 @@ int64_t decode_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key
   paged::emu_load_watch_begin(k.first, k.second, v.first, v.second);
   try {
     decode_attention_config(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                            config);
+                            config, 0.0, -1, std::nullopt, std::nullopt, std::nullopt, false);
   } catch (...) {
     paged::emu_load_watch_end();
     throw;
@@ -113,10 +114,11 @@ TORCH_LIBRARY_IMPL(paged_cuda_emu, CPU, m) {
 // LaunchConfig; [] = defaults); no validation of the tensors.
 TORCH_LIBRARY(paged_cuda_emu_test, m) {
   m.def("decode_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config, "
+        PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()");
   m.def("prefill_attention_config(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
-        "Tensor? k_scale, Tensor? v_scale, int[] config) -> ()");
+        "Tensor? k_scale, Tensor? v_scale, int[] config, " PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()");
   m.def("decode_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> int");
 }

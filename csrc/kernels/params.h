@@ -53,6 +53,13 @@ struct AttentionParams {
   float scale;
   bool causal;
   int num_sms;  // of the device, for the split-KV heuristic
+  // The variants (paged_ops/reference.py attention): defaults 0, -1, nullptr, nullptr, nullptr, false.
+  float softcap;               // > 0: s = softcap * tanh(s / softcap)
+  int64_t window_left;         // >= 0: query at position p sees keys p - window_left .. p
+  const float* sinks;          // [num_heads]: one more logit per head in the denominator
+  const float* alibi_slopes;   // [num_heads]: s += slope * (j - p)
+  float* lse;                  // [num_tokens, num_heads], contiguous: ln of the row's denominator
+  bool batch_invariant;        // bitwise independent of the rest of the batch and of the plan
 };
 
 struct ReshapeCacheParams {

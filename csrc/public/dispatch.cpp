@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "attention_variants.h"
 #include "public/select.h"
 #include "public/validate.h"
 
@@ -18,10 +19,14 @@ namespace {
 // with backend kernels that take int64_t: the dispatcher converts.
 using ReshapeSig = void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&, const OptTensor&,
                         const OptTensor&);
+// The attention ops end in the variant parameters (csrc/attention_variants.h).
+#define VARIANT_TYPES double, int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool
 using DecodeSig = void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
-                       const OptTensor&, const OptTensor&);
+                       const OptTensor&, const OptTensor&, VARIANT_TYPES);
 using PrefillSig = void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                        const Tensor&, c10::SymInt, double, bool, const OptTensor&, const OptTensor&);
+                        const Tensor&, c10::SymInt, double, bool, const OptTensor&, const OptTensor&, VARIANT_TYPES);
+#undef VARIANT_TYPES
+using MergeSig = void(Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using Fp8Sig = void(Tensor&, const Tensor&, const Tensor&);
 using CopySig = void(at::TensorList, at::TensorList, const Tensor&);
 using SwapSig = void(const Tensor&, Tensor&, const Tensor&);
@@ -67,25 +72,39 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
 
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, double scale, const OptTensor& k_scale,
-                      const OptTensor& v_scale) {
+                      const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   check_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
+  check_attention_variants(query, PAGED_OPS_VARIANT_ARGS);
   const int backend = select_backend(out.device());
   if (query.numel() == 0) return;
+  batch_invariant = batch_invariant_mode(batch_invariant);
   static const BackendOps<DecodeSig> ops("decode_attention");
-  ops[backend].call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale);
+  ops[backend].call(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                    PAGED_OPS_VARIANT_ARGS);
 }
 
 void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                        const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                        c10::SymInt max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                       const OptTensor& v_scale) {
+                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   check_prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                           max_seqlen_q.guard_int(__FILE__, __LINE__), k_scale, v_scale);
+  check_attention_variants(query, PAGED_OPS_VARIANT_ARGS);
   const int backend = select_backend(out.device());
   if (query.numel() == 0) return;
+  batch_invariant = batch_invariant_mode(batch_invariant);
   static const BackendOps<PrefillSig> ops("prefill_attention");
   ops[backend].call(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, std::move(max_seqlen_q),
-                    scale, causal, k_scale, v_scale);
+                    scale, causal, k_scale, v_scale, PAGED_OPS_VARIANT_ARGS);
+}
+
+void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out, const Tensor& prefix_lse,
+                            const Tensor& suffix_out, const Tensor& suffix_lse) {
+  check_merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
+  const int backend = select_backend(out.device());
+  if (out.numel() == 0 && !(out_lse && out_lse->numel())) return;
+  static const BackendOps<MergeSig> ops("merge_attention_states");
+  ops[backend].call(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
 }
 
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
@@ -130,6 +149,7 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   m.impl("reshape_and_cache", &paged::api::reshape_and_cache);    \
   m.impl("decode_attention", &paged::api::decode_attention);      \
   m.impl("prefill_attention", &paged::api::prefill_attention);    \
+  m.impl("merge_attention_states", &paged::api::merge_attention_states); \
   m.impl("quantize_fp8", &paged::api::quantize_fp8);              \
   m.impl("dequantize_fp8", &paged::api::dequantize_fp8);          \
   m.impl("copy_blocks", &paged::api::copy_blocks);                \

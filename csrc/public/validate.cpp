@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -414,6 +415,66 @@ void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block
   check_dtype("block_mapping", block_mapping, {at::kLong});
   TORCH_CHECK_VALUE(block_mapping.is_cpu(), "block_mapping must be on the CPU, not ", block_mapping.device());
   check_block_mapping(block_mapping, c10::Device(c10::kCPU), src.size(0), dst.size(0), false);
+}
+
+}  // namespace paged::api
+
+namespace paged::api {
+
+void check_attention_variants(const Tensor& query, double softcap, int64_t window_left, const OptTensor& sinks,
+                              const OptTensor& alibi_slopes, const OptTensor& lse, bool /*batch_invariant*/) {
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap=", softcap,
+                    " must be >= 0 and finite (0: no soft-cap)");
+  TORCH_CHECK_VALUE(window_left >= -1, "window_left=", window_left,
+                    " must be >= -1 (-1: no window; w >= 0: a query sees itself and the w keys before it)");
+  const c10::Device device = query.device();
+  const int64_t num_tokens = query.size(0), num_heads = query.size(1);
+  for (auto [name, t] : {std::pair<const char*, const OptTensor*>{"sinks", &sinks}, {"alibi_slopes", &alibi_slopes}}) {
+    if (!t->has_value()) continue;
+    check_tensor(name, **t, 1, {at::kFloat}, device);
+    TORCH_CHECK_VALUE((*t)->size(0) == num_heads, name, " must have num_heads=", num_heads, " elements, got ",
+                      (*t)->size(0));
+    TORCH_CHECK_VALUE((*t)->is_contiguous(), name, " must be contiguous");
+  }
+  if (lse.has_value()) {
+    check_tensor("lse", *lse, 2, {at::kFloat}, device);
+    TORCH_CHECK_VALUE(lse->size(0) == num_tokens && lse->size(1) == num_heads, "lse shape ",
+                      shape_str(lse->sizes()), " must be (num_tokens, num_heads) = (", num_tokens, ", ", num_heads,
+                      ")");
+    TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
+  }
+}
+
+void check_merge_attention_states(const Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
+                                  const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse) {
+  const c10::Device device = out.device();
+  check_tensor("out", out, 3, kFloat, device);
+  check_unit_stride("out", out);
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"prefix_out", &prefix_out}, {"suffix_out", &suffix_out}}) {
+    check_tensor(name, *t, 3, {out.scalar_type()}, device);
+    TORCH_CHECK_VALUE(t->sizes() == out.sizes(), name, " shape ", shape_str(t->sizes()), " != out shape ",
+                      shape_str(out.sizes()));
+    check_unit_stride(name, *t);
+  }
+  check_fits("num_tokens (shape[0])", out.size(0), "out");
+  check_fits("num_heads (shape[1])", out.size(1), "out");
+  check_fits("head_size (shape[2])", out.size(2), "out");
+  const std::pair<const char*, const Tensor*> lses[] = {{"prefix_lse", &prefix_lse}, {"suffix_lse", &suffix_lse},
+                                                        {"out_lse", out_lse ? &*out_lse : nullptr}};
+  for (auto [name, t] : lses) {
+    if (t == nullptr) continue;
+    check_tensor(name, *t, 2, {at::kFloat}, device);
+    TORCH_CHECK_VALUE(t->size(0) == out.size(0) && t->size(1) == out.size(1), name, " shape ",
+                      shape_str(t->sizes()), " must be (num_tokens, num_heads) = (", out.size(0), ", ",
+                      out.size(1), ")");
+    TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous");
+  }
+}
+
+bool batch_invariant_mode(bool requested) {
+  if (requested) return true;
+  const char* env = std::getenv("PAGED_OPS_BATCH_INVARIANT");
+  return env != nullptr && env[0] == '1' && env[1] == '\0';
 }
 
 }  // namespace paged::api

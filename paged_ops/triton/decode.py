@@ -202,12 +202,17 @@ def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
 
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                     k_scale=None, v_scale=None) -> None:
+                     k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None,
+                     alibi_slopes=None, lse=None, batch_invariant=False) -> None:
     """out[s] = softmax(scale * q[s] K_s^T) V_s over the first seq_lens[s] cached tokens.
 
     out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads,
     head_size] (any strides); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
     """
+    # TODO(#13, triton): the variants in the kernels; until then only the plain call runs here.
+    if softcap or window_left >= 0 or sinks is not None or alibi_slopes is not None or lse is not None or batch_invariant:
+        raise NotImplementedError("paged_triton: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant "
+                                  "not yet implemented")
     key = tuning_key(query, key_cache, block_tables)
 
     def bench(config):

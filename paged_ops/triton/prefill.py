@@ -172,12 +172,17 @@ def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool) 
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                      max_seqlen_q, scale, causal, k_scale=None, v_scale=None) -> None:
+                      max_seqlen_q, scale, causal, k_scale=None, v_scale=None, softcap=0.0,
+                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False) -> None:
     """Varlen attention of each sequence's new query rows over its first seq_lens[s] cached tokens.
 
     out, query: [total_q, num_heads, head_size]; cu_seqlens_q: [num_seqs + 1] int32;
     seq_lens: [num_seqs] int32 (including the new tokens); block_tables: [num_seqs, max_blocks] int32.
     """
+    # TODO(#13, triton): the variants in the kernels; until then only the plain call runs here.
+    if softcap or window_left >= 0 or sinks is not None or alibi_slopes is not None or lse is not None or batch_invariant:
+        raise NotImplementedError("paged_triton: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant "
+                                  "not yet implemented")
     key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal)
 
     def bench(config):

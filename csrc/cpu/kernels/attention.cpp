@@ -21,7 +21,12 @@ void dispatch_cache(const AttentionParams& p, at::ScalarType cache_dtype) {
 
 void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
          const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
-         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale) {
+         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale,
+         const AttentionVariants& variants) {
+  // TODO(#13, cpu): the variants in the core; until then only the plain call runs here.
+  TORCH_CHECK_NOT_IMPLEMENTED(variants.softcap == 0 && variants.window_left < 0 && !variants.sinks &&
+                                  !variants.alibi_slopes && !variants.lse && !variants.batch_invariant,
+                              "paged_cpu: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant not yet implemented");
   AttentionParams p{};
   p.out = out.data_ptr();
   p.query = query.data_ptr();
@@ -57,18 +62,19 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
 void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
                        const Tensor& value_cache, const Tensor& block_tables,
                        const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t /*max_seqlen_q*/,
-                       double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale) {
+                       double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale,
+                       PAGED_OPS_VARIANT_PARAMS) {
   run(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, causal,
-      k_scale, v_scale);
+      k_scale, v_scale, attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
                       const Tensor& value_cache, const Tensor& block_tables,
                       const Tensor& seq_lens, double scale, const OptTensor& k_scale,
-                      const OptTensor& v_scale) {
+                      const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   const Tensor cu_seqlens_q = at::arange(query.size(0) + 1, seq_lens.options());
   run(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale, true,
-      k_scale, v_scale);
+      k_scale, v_scale, attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 
 }  // namespace paged::cpu::PAGED_CPU_ISA_NS
