@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import socket
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -179,6 +180,57 @@ def cycling(items: list) -> Callable[[], object]:
         state["i"] = (state["i"] + 1) % len(items)
         return items[state["i"]]
     return nxt
+
+
+def interleaved_best(calls: dict[str, tuple[Callable, list]], rounds: int, device: str = "cpu") -> dict[str, float]:
+    """Seconds of the fastest round of each named call, the calls taken in turn round by round
+    (A, B, C, A, B, C...), each round on the next of its rotating input sets (calls[name] = (fn,
+    sets), fn(*set)); one untimed warm-up round first. Interleaving gives every call the same
+    shared machine; a round that lost the CPU is only ever slower, so the fastest is the call's
+    own cost. device "cuda": each round synchronizes before and after, so it times the kernels."""
+    nexts = {name: cycling(sets) for name, (_, sets) in calls.items()}
+    for name, (fn, _) in calls.items():
+        fn(*nexts[name]())
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(rounds):
+        for name, (fn, _) in calls.items():
+            args = nexts[name]()
+            sync(device)
+            t = time.perf_counter()
+            fn(*args)
+            sync(device)
+            best[name] = min(best[name], time.perf_counter() - t)
+    return best
+
+
+def rounds_for(one_call_s: float, target_s: float, lo: int = 3, hi: int = 30) -> int:
+    """Rounds for about target_s seconds of one call's timing, within [lo, hi]."""
+    return int(min(hi, max(lo, target_s / max(one_call_s, 1e-6))))
+
+
+def copy_peak_gbps(nbytes: int = 512 << 20, rounds: int = 10) -> float:
+    """STREAM-style copy bandwidth of the CPU, (read + write bytes) / fastest dst.copy_(src) of
+    nbytes (>> the last-level cache), as bench/test_kernels.py's peak (STREAM_NOTE)."""
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = interleaved_best({"copy": (lambda s, d: d.copy_(s), [(src, dst), (dst, src)])}, rounds)["copy"]
+    return 2 * nbytes / best / 1e9
+
+
+def matmul_peak_tflops(n: int = 2048, rounds: int = 5) -> float:
+    """bf16 torch.mm TFLOP/s (2 n^3 / fastest call) on the CPU, as bench/test_kernels.py's peak."""
+    g = torch.Generator().manual_seed(0)
+    sets = [(torch.randn(n, n, generator=g).bfloat16(), torch.randn(n, n, generator=g).bfloat16()) for _ in range(2)]
+    out = torch.empty(n, n, dtype=torch.bfloat16)
+    best = interleaved_best({"mm": (lambda a, b: torch.mm(a, b, out=out), sets)}, rounds)["mm"]
+    return 2 * n ** 3 / best / 1e12
+
+
+def markdown_table(header: list[str], rows: Iterable[list]) -> str:
+    """A Markdown table (floats by fmt), for output pasted into bench/README.md."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------- results file

@@ -93,3 +93,39 @@ def test_flex_reference_is_paged_decode():
 def test_device_check_script_parses():
     """bench/device_check.sh is valid bash (its GPU path only runs on a GPU machine)."""
     subprocess.run(["bash", "-n", str(ROOT / "bench" / "device_check.sh")], check=True)
+
+
+def _run_bench_module(module: str, tmp_path, *args) -> dict:
+    """python -m <module> --smoke --save in a fresh process (its thread count and results file
+    stay out of this one); the saved results file's JSON."""
+    env = os.environ | {"PAGED_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", module, "--smoke", "--save", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    [result] = tmp_path.glob("*.json")
+    return json.loads(result.read_text())
+
+
+def test_variants_tables_say_what_is_missing():
+    """A backend without an argument yet gets a row saying so instead of a time."""
+    from bench import variants as V
+    row = {"backend": "x", "num_seqs": 1, "num_heads": 4, "num_kv_heads": 2, "head_size": 32, "dtype": "bfloat16",
+           "block_size": 16, "context_len": 64, "window": 32, "status": "not implemented: window_left"}
+    assert "not implemented: window_left" in V.window_table([row])
+    assert "not implemented: window_left" in V.batch_invariant_table([row | {"op": "decode_attention"}])
+
+
+def test_vllm_kernels_benchmark_runs(tmp_path):
+    """bench.vllm_kernels (issue #14 item 3): our rows always; vLLM's (checked against the float64
+    reference before timing) where vllm imports, else the run says it does not."""
+    k = _run_bench_module("bench.vllm_kernels", tmp_path)["vllm_kernels"]
+    assert {r["op"] for r in k["rows"]} == {"decode_attention", "prefill_attention"}
+    for r in k["rows"]:
+        assert r["rate_paged_ops"] > 0 and r["paged_ops_isa"] not in ("", "n/a"), r
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert k["vllm"].startswith("vllm not importable"), k["vllm"]
+    else:
+        for r in k["rows"]:
+            assert r["rate_vllm"] > 0 and r["ratio"] > 0 and r["vllm_check_rel_err"] <= 1e-2, r
