@@ -17,7 +17,7 @@ __version__ = _build.version()
 from . import _C  # noqa: F401,E402  (registers the schemas and the C++ backends)
 
 from . import reference
-from .backends import OPS, available_backends, backend, selected_backend, use_backend
+from .backends import OPS, available_backends, backend, batch_invariant, selected_backend, use_backend
 from .backends import _register
 
 _register()
@@ -29,17 +29,30 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
 
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-                     k_scale=None, v_scale=None) -> None:
-    """One query token per sequence; specification: ``paged_ops.reference.decode_attention``."""
+                     k_scale=None, v_scale=None, *, softcap=0.0, window_left=-1, sinks=None,
+                     alibi_slopes=None, lse=None, batch_invariant=False) -> None:
+    """One query token per sequence; specification: ``paged_ops.reference.decode_attention``
+    (the keyword-only variants: ``paged_ops.reference.attention``)."""
     torch.ops.paged.decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                     scale, k_scale, v_scale)
+                                     scale, k_scale, v_scale, softcap=softcap, window_left=window_left,
+                                     sinks=sinks, alibi_slopes=alibi_slopes, lse=lse,
+                                     batch_invariant=batch_invariant)
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                      max_seqlen_q, scale, causal=True, k_scale=None, v_scale=None) -> None:
+                      max_seqlen_q, scale, causal=True, k_scale=None, v_scale=None, *, softcap=0.0,
+                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False) -> None:
     """Varlen paged attention; specification: ``paged_ops.reference.prefill_attention``."""
     torch.ops.paged.prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                      seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale)
+                                      seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale,
+                                      softcap=softcap, window_left=window_left, sinks=sinks,
+                                      alibi_slopes=alibi_slopes, lse=lse, batch_invariant=batch_invariant)
+
+
+def merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
+    """Attention over two disjoint key sets from attention over each (their ``out`` and ``lse``);
+    specification: ``paged_ops.reference.merge_attention_states``."""
+    torch.ops.paged.merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
 
 
 def quantize_fp8(out, input, scale) -> None:
@@ -62,5 +75,6 @@ def swap_blocks(src, dst, block_mapping) -> None:
     torch.ops.paged.swap_blocks(src, dst, block_mapping)
 
 
-__all__ = ["__version__", "OPS", "available_backends", "backend", "selected_backend", "use_backend", "reference",
+__all__ = ["__version__", "OPS", "available_backends", "backend", "batch_invariant", "selected_backend", "use_backend",
+           "reference",
            *OPS]

@@ -139,6 +139,25 @@ def use_backend(name: str):
         _FORCED.reset(token)
 
 
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True):
+    """Inside the block, this thread's ``decode_attention`` / ``prefill_attention`` calls run in
+    the batch-invariant mode (``enabled=False``: out of it, even with
+    ``PAGED_OPS_BATCH_INVARIANT=1``): every row's ``out`` and ``lse`` are bitwise the same
+    whatever else is in the batch, whatever the thread count, and whether the row comes from a
+    decode or from a prefill of any q_len (``paged_ops.reference.prefill_attention``). Blocks
+    nest (the innermost wins); a call's own ``batch_invariant=True`` always turns it on.
+
+    The flag is a C++ thread-local the op reads per call, so it holds for the whole block on
+    this thread (compiled graphs included) and never reaches other threads; unlike
+    ``use_backend`` it does not follow asyncio tasks (tasks on one thread share it)."""
+    previous = _C._swap_batch_invariant(1 if enabled else 0)
+    try:
+        yield
+    finally:
+        _C._swap_batch_invariant(previous)
+
+
 def selected_backend(device_type: str) -> str:
     """The backend ``torch.ops.paged.*`` uses for tensors on ``device_type`` right now
     ('cpu', 'cuda' or 'cuda:1'). Raises like the op would for a bad PAGED_OPS_BACKEND."""

@@ -74,7 +74,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
                       const Tensor& block_tables, const Tensor& seq_lens, double scale, const OptTensor& k_scale,
                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   check_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
-  check_attention_variants(query, PAGED_OPS_VARIANT_ARGS);
+  check_attention_variants(out, query, PAGED_OPS_VARIANT_ARGS);
   const int backend = select_backend(out.device());
   if (query.numel() == 0) return;
   batch_invariant = batch_invariant_mode(batch_invariant);
@@ -89,7 +89,7 @@ void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache
                        const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   check_prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                           max_seqlen_q.guard_int(__FILE__, __LINE__), k_scale, v_scale);
-  check_attention_variants(query, PAGED_OPS_VARIANT_ARGS);
+  check_attention_variants(out, query, PAGED_OPS_VARIANT_ARGS);
   const int backend = select_backend(out.device());
   if (query.numel() == 0) return;
   batch_invariant = batch_invariant_mode(batch_invariant);

@@ -1,4 +1,4 @@
-// Backend choice of the public ops; see select.h.
+// Backend choice and the batch-invariant mode of the public ops; see select.h.
 //
 // Forcing, innermost first:
 //  1. paged_ops.backend(name).op(...): a thread-local slot Python sets around that one call
@@ -33,6 +33,9 @@ constexpr std::array<const char*, kNumBackends> kNamespaces = {"paged_cpu", "pag
                                                                "paged_cuda_emu"};
 
 thread_local int t_call_backend = -1;   // 1.
+// paged_ops.batch_invariant(enabled) on this thread: -1 no block open (PAGED_OPS_BATCH_INVARIANT
+// decides), 0 off, 1 on.
+thread_local int t_batch_invariant = -1;
 std::atomic<int> g_active_overrides{0};  // 2.: use_backend blocks open in the process
 PyObject* g_backend_var = nullptr;       // 2.: the ContextVar (value: backend index or None)
 
@@ -108,6 +111,14 @@ bool cuda_kernels_run_on(int device) {
 }  // namespace
 
 const char* backend_name(int backend) { return kNames.at(backend); }
+
+bool batch_invariant_mode(bool requested) {
+  if (requested) return true;  // the call's own argument cannot be turned off from outside
+  if (t_batch_invariant >= 0) return t_batch_invariant == 1;
+  // Read per call, like PAGED_OPS_BACKEND, so a test or a process can flip it at run time.
+  const char* env = std::getenv("PAGED_OPS_BATCH_INVARIANT");
+  return env != nullptr && env[0] == '1' && env[1] == '\0';
+}
 const char* backend_namespace(int backend) { return kNamespaces.at(backend); }
 
 int select_backend(const c10::Device& device) {
@@ -190,6 +201,17 @@ PyObject* py_swap_call_backend(PyObject*, PyObject* index) {
   return PyLong_FromLong(previous);
 }
 
+// _swap_batch_invariant(state) -> previous: the batch-invariant mode of this thread's public
+// attention calls (-1: as PAGED_OPS_BATCH_INVARIANT says, 0: off, 1: on), set and restored by
+// paged_ops.batch_invariant().
+PyObject* py_swap_batch_invariant(PyObject*, PyObject* state) {
+  const long v = PyLong_AsLong(state);
+  if (v == -1 && PyErr_Occurred()) return nullptr;
+  const int previous = t_batch_invariant;
+  t_batch_invariant = v < 0 ? -1 : (v > 0 ? 1 : 0);
+  return PyLong_FromLong(previous);
+}
+
 // _selected_backend(device) -> name: what a public op would run on for tensors on `device`
 // ("cpu", "cuda", "cuda:1").
 PyObject* py_selected_backend(PyObject*, PyObject* device) {
@@ -205,6 +227,7 @@ PyMethodDef g_methods[] = {
     {"_add_override", py_add_override, METH_O, "count of open use_backend blocks += delta"},
     {"_swap_call_backend", py_swap_call_backend, METH_O, "force the next call's backend on this thread"},
     {"_selected_backend", py_selected_backend, METH_O, "the backend a public op picks for a device"},
+    {"_swap_batch_invariant", py_swap_batch_invariant, METH_O, "this thread's batch-invariant mode (-1/0/1)"},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -17,6 +17,11 @@ const char* backend_namespace(int backend);  // "paged_cpu", ...
 // PAGED_OPS_BACKEND, c10::Error when the forced backend does not run on the device.
 int select_backend(const c10::Device& device);
 
+// The batch-invariant mode of one attention call: its own batch_invariant argument, else the
+// innermost paged_ops.batch_invariant(enabled) block open on this thread, else
+// PAGED_OPS_BATCH_INVARIANT=1 (read per call).
+bool batch_invariant_mode(bool requested);
+
 // The methods of the paged_ops._C Python module (NULL-terminated).
 PyMethodDef* python_methods();
 

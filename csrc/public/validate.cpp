@@ -421,8 +421,36 @@ void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block
 
 namespace paged::api {
 
-void check_attention_variants(const Tensor& query, double softcap, int64_t window_left, const OptTensor& sinks,
-                              const OptTensor& alibi_slopes, const OptTensor& lse, bool /*batch_invariant*/) {
+namespace {
+
+// Whether two tensors' memory ranges intersect (conservative for interleaved strided views,
+// which no caller has a reason to pass as an output and an input at once).
+bool memory_overlaps(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  const auto span = [](const Tensor& t) {
+    int64_t last = 0;  // element offset of the last element from the first (strides >= 0 here)
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::max<int64_t>(t.stride(d), 0);
+    const auto* begin = static_cast<const char*>(t.const_data_ptr());
+    return std::pair{begin, begin + (last + 1) * int64_t(t.element_size())};
+  };
+  const auto [a0, a1] = span(a);
+  const auto [b0, b1] = span(b);
+  return a0 < b1 && b0 < a1;
+}
+
+// An output must not share memory with another argument: the kernels read their inputs while
+// writing (and may write out in any order), so an overlap gives garbage without an error.
+void check_no_overlap(const char* output_name, const Tensor& output, const char* other_name, const Tensor& other) {
+  TORCH_CHECK_VALUE(!memory_overlaps(output, other), output_name, " overlaps ", other_name,
+                    " in memory; it must be a separate buffer");
+}
+
+}  // namespace
+
+void check_attention_variants(const Tensor& out, const Tensor& query, double softcap, int64_t window_left,
+                              const OptTensor& sinks, const OptTensor& alibi_slopes, const OptTensor& lse,
+                              bool /*batch_invariant*/) {
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap=", softcap,
                     " must be >= 0 and finite (0: no soft-cap)");
   TORCH_CHECK_VALUE(window_left >= -1, "window_left=", window_left,
@@ -442,6 +470,10 @@ void check_attention_variants(const Tensor& query, double softcap, int64_t windo
                       shape_str(lse->sizes()), " must be (num_tokens, num_heads) = (", num_tokens, ", ", num_heads,
                       ")");
     TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
+    check_no_overlap("lse", *lse, "out", out);
+    check_no_overlap("lse", *lse, "query", query);
+    if (sinks) check_no_overlap("lse", *lse, "sinks", *sinks);
+    if (alibi_slopes) check_no_overlap("lse", *lse, "alibi_slopes", *alibi_slopes);
   }
 }
 
@@ -469,12 +501,15 @@ void check_merge_attention_states(const Tensor& out, const OptTensor& out_lse, c
                       out.size(1), ")");
     TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous");
   }
-}
-
-bool batch_invariant_mode(bool requested) {
-  if (requested) return true;
-  const char* env = std::getenv("PAGED_OPS_BATCH_INVARIANT");
-  return env != nullptr && env[0] == '1' && env[1] == '\0';
+  // Outputs apart from the inputs and from each other (no in-place merge: a kernel may write a
+  // row's out before it has read all of that row's inputs).
+  const std::pair<const char*, const Tensor*> inputs[] = {
+      {"prefix_out", &prefix_out}, {"prefix_lse", &prefix_lse}, {"suffix_out", &suffix_out}, {"suffix_lse", &suffix_lse}};
+  for (auto [name, t] : inputs) {
+    check_no_overlap("out", out, name, *t);
+    if (out_lse) check_no_overlap("out_lse", *out_lse, name, *t);
+  }
+  if (out_lse) check_no_overlap("out_lse", *out_lse, "out", out);
 }
 
 }  // namespace paged::api

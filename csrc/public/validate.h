@@ -27,14 +27,14 @@ void check_prefill_attention(const Tensor& out, const Tensor& query, const Tenso
                              const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                              int64_t max_seqlen_q, const OptTensor& k_scale,
                              const OptTensor& v_scale);
-// The keyword-only variant arguments of both attention ops (csrc/attention_variants.h).
-void check_attention_variants(const Tensor& query, double softcap, int64_t window_left, const OptTensor& sinks,
-                              const OptTensor& alibi_slopes, const OptTensor& lse, bool batch_invariant);
+// The keyword-only variant arguments of both attention ops (csrc/attention_variants.h); lse must
+// not overlap out, query, sinks or alibi_slopes.
+void check_attention_variants(const Tensor& out, const Tensor& query, double softcap, int64_t window_left,
+                              const OptTensor& sinks, const OptTensor& alibi_slopes, const OptTensor& lse,
+                              bool batch_invariant);
+// Shapes/dtypes/devices of merge_attention_states; its outputs must not overlap any input or each other.
 void check_merge_attention_states(const Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
                                   const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse);
-// The batch-invariant mode of a call: its argument, paged_ops.batch_invariant() on this thread,
-// or PAGED_OPS_BATCH_INVARIANT=1.
-bool batch_invariant_mode(bool requested);
 void check_quantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale);
 void check_dequantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale);
 void check_copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
