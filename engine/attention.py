@@ -58,11 +58,51 @@ def fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return amax / torch.finfo(dtype).max
 
 
+def window_left(sliding_window: int | None) -> int:
+    """The ops' ``window_left`` for a transformers ``sliding_window`` (the one place the two
+    conventions meet). transformers' sliding-window mask (``masking_utils.sliding_window_overlay``:
+    ``kv_idx > q_idx - sliding_window``, on top of the causal mask) lets a query see W keys
+    counting itself, and its eager, sdpa and flash paths all build that mask, so W keys = the query
+    and W - 1 before it: ``window_left = W - 1``. No window (None) is -1. Gemma 2, gpt-oss, Qwen2 and
+    Mistral all use that mask (Gemma 2 / gpt-oss / Qwen2 on the layers whose ``layer_types`` entry is
+    "sliding_attention", Mistral on every layer)."""
+    if sliding_window is None:
+        return -1
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
+    return sliding_window - 1
+
+
+def layer_sliding_window(hf_attention: torch.nn.Module, config) -> int | None:
+    """A transformers attention module's sliding window, as its forward passes it to the attention
+    function: Gemma 2, gpt-oss and Qwen2 store it per layer (``self.sliding_window``: the config's
+    window on "sliding_attention" layers, else None); Mistral passes ``config.sliding_window`` on
+    every layer; Llama has none."""
+    if hasattr(hf_attention, "sliding_window"):
+        return hf_attention.sliding_window
+    return getattr(config, "sliding_window", None)
+
+
+def variant_kwargs(softcap: float | None = None, window: int = -1, sinks: torch.Tensor | None = None) -> dict:
+    """The ops' keyword-only variant arguments that differ from their defaults (a plain model's
+    call stays the plain call). softcap None or 0: none; sinks: per-head logits, float32 as the
+    ops take them."""
+    kw = {}
+    if softcap:
+        kw["softcap"] = float(softcap)
+    if window >= 0:
+        kw["window_left"] = window
+    if sinks is not None:
+        kw["sinks"] = sinks.detach().float().contiguous()
+    return kw
+
+
 def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, **variants) -> torch.Tensor:
     """Store the step's K/V in layer's cache, attend over the cache. q: [T, num_heads, D];
-    k, v: [T, num_kv_heads, D] (after RoPE) -> [T, num_heads, D]. Every layer calls the public
-    ops, which check their arguments and pick the backend."""
+    k, v: [T, num_kv_heads, D] (after RoPE) -> [T, num_heads, D]. ``variants``: the ops'
+    keyword-only arguments (``variant_kwargs``: softcap, window_left, sinks). Every layer calls the
+    public ops, which check their arguments and pick the backend."""
     paged, kv = ops(), meta.kv
     kc, vc = kv.key_caches[layer], kv.value_caches[layer]
     if kv.is_fp8 and kv.k_scales[layer] is None:  # no checkpoint scales: calibrate on the first prefill
@@ -71,10 +111,10 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     paged.reshape_and_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
     out = torch.empty_like(q)
     if meta.decode_only:
-        paged.decode_attention(out, q, kc, vc, meta.block_tables, meta.seq_lens, scale, ks, vs)
+        paged.decode_attention(out, q, kc, vc, meta.block_tables, meta.seq_lens, scale, ks, vs, **variants)
     else:
         paged.prefill_attention(out, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
-                                meta.max_seqlen_q, scale, True, ks, vs)
+                                meta.max_seqlen_q, scale, True, ks, vs, **variants)
     return out
 
 
@@ -95,13 +135,20 @@ def step_metadata(meta: AttentionMetadata):
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0,
-                            paged_metadata: AttentionMetadata | None = None, **kwargs):
+                            paged_metadata: AttentionMetadata | None = None, sliding_window: int | None = None,
+                            softcap: float | None = None, s_aux: torch.Tensor | None = None, **kwargs):
     """transformers attention interface: query [1, num_heads, T, D], key/value
-    [1, num_kv_heads, T, D] (after RoPE) -> ([1, T, num_heads, D], None)."""
+    [1, num_kv_heads, T, D] (after RoPE) -> ([1, T, num_heads, D], None). The variants come as
+    the modeling code passes them to every attention function: ``sliding_window`` (Mistral, Qwen2,
+    Gemma 2, gpt-oss; None on full-attention layers), ``softcap`` (Gemma 2's attention logit
+    soft-cap) and ``s_aux`` (gpt-oss's per-head sink logits)."""
     meta = paged_metadata or _CURRENT
     assert meta is not None, "paged_ops attention called outside ModelRunner.run"
+    if not getattr(module, "is_causal", True):  # e.g. Gemma with use_bidirectional_attention
+        raise ValueError(f"{type(module).__name__}: non-causal attention is not supported by the engine")
     to_tokens = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  [T, heads, D]
-    out = paged_attention(meta, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling)
+    out = paged_attention(meta, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling,
+                          **variant_kwargs(softcap, window_left(sliding_window), s_aux))
     return out.unsqueeze(0), None
 
 

@@ -37,7 +37,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None      # default: the model's (and sliding window's) limit
+    max_model_len: int | None = None      # default: the model's limit (max_position_embeddings)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_dtype: str = "auto"

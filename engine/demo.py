@@ -3,7 +3,7 @@ transformers' save_pretrained so they load like any local HF checkpoint."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
@@ -14,6 +14,18 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**TINY),
     "qwen2": lambda: Qwen2Config(**TINY, use_sliding_window=False),  # q/k/v bias
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
+    # sliding windows of 8 keys: the tests' prompts are longer than that
+    "mistral_sw": lambda: MistralConfig(**TINY, sliding_window=8),
+    # layer 0 "sliding_attention", layer 1 full; soft-caps low enough that the random logits reach
+    # them; query_pre_attn_scalar apart from head_dim so a wrong attention scale shows
+    "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    # sinks + window 8 on layer 0; 4 experts, 2 per token
+    "gpt_oss": lambda: GptOssConfig(**TINY, head_dim=16, sliding_window=8, num_local_experts=4,
+                                    num_experts_per_tok=2,
+                                    rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0,
+                                                         beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                         original_max_position_embeddings=16)),
 }
 
 

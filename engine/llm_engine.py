@@ -56,12 +56,11 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         cfg = self.runner.config
         self.eos_token_ids = self._eos_ids(cfg) | self._eos_ids(self.runner.generation_config)
-        # no sliding-window attention in the ops: stay within the window, where it is exact
-        limits = [x for x in (getattr(cfg, "max_position_embeddings", None), getattr(cfg, "sliding_window", None)) if x]
-        model_limit = min(limits) if limits else 1 << 30
+        # a sliding window is no limit: the ops take it as window_left (attention.window_left)
+        model_limit = getattr(cfg, "max_position_embeddings", None) or 1 << 30
         if config.max_model_len is not None and config.max_model_len > model_limit:
             raise ValueError(f"max_model_len {config.max_model_len} is larger than the model's limit {model_limit} "
-                             f"(max_position_embeddings / sliding_window)")
+                             f"(max_position_embeddings)")
         self.max_model_len = config.max_model_len or model_limit
         self.max_pool_len = self.runner.num_kv_blocks * config.block_size
         self.device = self.runner.device

@@ -1,9 +1,9 @@
 """Runs a Hugging Face decoder on one flattened varlen batch per step, attention through
 ``torch.ops.paged.*`` (engine/attention.py).
 
-Two ways to run the decoder (``model_impl``, see engine/README.md). Llama, Mistral and Qwen2 run
-natively (``engine/models/llama.py``: fused projections, ``paged_attention`` called with the
-step's metadata). Any other decoder keeps transformers' modeling code with our attention plugged
+Two ways to run the decoder (``model_impl``, see engine/README.md). Llama, Mistral, Qwen2, Gemma 2
+and gpt-oss run natively (``engine/models/``: fused projections, ``paged_attention`` called with the
+step's metadata and each layer's attention variants). Any other decoder keeps transformers' modeling code with our attention plugged
 in through its ``AttentionInterface`` (``attn_implementation="paged_ops"``): the model sees a
 batch of one "sequence" of all scheduled tokens (``[1, num_tokens]``, real positions in
 position_ids), and our attention function reads the step's metadata set around each forward.
@@ -19,9 +19,15 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from .attention import (ATTN_IMPLEMENTATION, AttentionMetadata, KVCache, load_kv_scales, ops, paged_attention,
                         step_metadata)
 from .config import KV_CACHE_DTYPES, EngineConfig
-from .models import llama
+from .models import gemma2, gpt_oss, llama
 from .models.packed_linear import can_pack, pack_linears
 from .scheduler import SchedulerOutput
+
+
+# architecture name -> native model class (engine/models/)
+NATIVE = {**{a: llama.LlamaForCausalLM for a in llama.ARCHITECTURES},
+          **{a: gemma2.Gemma2ForCausalLM for a in gemma2.ARCHITECTURES},
+          **{a: gpt_oss.GptOssForCausalLM for a in gpt_oss.ARCHITECTURES}}
 
 
 @dataclass
@@ -44,12 +50,17 @@ class ModelRunner:
         hf_model = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION).to(self.device).eval()
         self.generation_config = hf_model.generation_config
-        native = type(hf_model).__name__ in llama.ARCHITECTURES
-        if config.model_impl == "native" and not native:
-            raise ValueError(f"model_impl='native' supports {llama.ARCHITECTURES}, not {type(hf_model).__name__}")
-        self.model_impl = "native" if native and config.model_impl != "transformers" else "transformers"
-        self.model = llama.LlamaForCausalLM(hf_model).eval() if self.model_impl == "native" else hf_model
+        native = NATIVE.get(type(hf_model).__name__)
+        if config.model_impl == "native" and native is None:
+            raise ValueError(f"model_impl='native' supports {tuple(NATIVE)}, not {type(hf_model).__name__}")
+        self.model_impl = "native" if native is not None and config.model_impl != "transformers" else "transformers"
+        self.model = native(hf_model).eval() if self.model_impl == "native" else hf_model
+        if any(getattr(m, "is_causal", True) is False for m in self.model.modules() if hasattr(m, "layer_idx")):
+            raise ValueError(f"{type(hf_model).__name__} has non-causal attention layers (e.g. Gemma's "
+                             f"use_bidirectional_attention): the engine runs causal decoders only")
         del hf_model  # the native model fused q/k/v and gate/up: the originals are freed here
+        # transformers' ForCausalLM applies it after lm_head (Gemma 2); the runner calls lm_head itself
+        self.final_logit_softcapping = getattr(self.config, "final_logit_softcapping", None)
         self.packed_linears = pack_linears(self.model) if can_pack(self.dtype, self.device) else 0
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
@@ -162,7 +173,10 @@ class ModelRunner:
                 decoder = getattr(self.model, self.model.base_model_prefix)  # the model without lm_head
                 hidden = decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                  paged_metadata=meta).last_hidden_state[0]  # [T, hidden]
-            logits = self.model.get_output_embeddings()(hidden[rows]).float()  # [num_rows, vocab]
+            logits = self.model.get_output_embeddings()(hidden[rows])  # [num_rows, vocab]
+            if self.final_logit_softcapping:  # transformers' order: divide, tanh, multiply
+                logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
+            logits = logits.float()
         step = StepLogits(logits[:len(sample_rows)])
         offset = len(sample_rows)
         for seq_id, (first, rs) in prompt_rows.items():

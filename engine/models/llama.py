@@ -19,10 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
+from ..attention import layer_sliding_window, variant_kwargs, window_left
+
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-# attention(layer_idx, q [T, H, D], k [T, KVH, D], v [T, KVH, D], scale) -> [T, H, D]
-Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# attention(layer_idx, q [T, H, D], k [T, KVH, D], v [T, KVH, D], scale, **variants) -> [T, H, D],
+# variants being the ops' keyword-only arguments (attention.variant_kwargs)
+Attention = Callable[..., torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -63,6 +66,8 @@ class DecoderLayer(nn.Module):
         self.input_norm = hf_layer.input_layernorm.weight
         self.post_attention_norm = hf_layer.post_attention_layernorm.weight
         self.eps = config.rms_norm_eps
+        # Mistral: a window on every layer; Qwen2: on the layers its layer_types make sliding
+        self.variants = variant_kwargs(window=window_left(layer_sliding_window(attn, config)))
 
     def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
@@ -72,7 +77,7 @@ class DecoderLayer(nn.Module):
             [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         q = apply_rope(q.view(T, self.num_heads, D), cos, sin)
         k = apply_rope(k.view(T, self.num_kv_heads, D), cos, sin)
-        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale)  # [T, H, D]
+        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale, **self.variants)  # [T, H, D]
         x = x + self.o_proj(o.reshape(T, -1))
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)

@@ -1,0 +1,80 @@
+"""gpt-oss written for one flattened varlen batch per step (as ``llama.py`` is for the Llama family).
+
+The attention is native: q/k/v one matmul (with biases), RoPE on the two halves of each head,
+per-head sink logits (``self_attn.sinks``) and a window of ``sliding_window`` keys on the
+"sliding_attention" layers (every other one), both passed to the ops as runtime arguments. The
+mixture-of-experts MLP is transformers' own module (router + experts), called on the flat
+``[T, hidden]`` batch: re-implementing its routing would only duplicate it, and its cost does not
+depend on how the batch is laid out.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..attention import layer_sliding_window, variant_kwargs, window_left
+from .llama import Attention, fuse
+
+ARCHITECTURES = ("GptOssForCausalLM",)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # GptOssRMSNorm: the weight multiplies the float32 normalized x, then the cast (Llama casts first)
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D / 2] (gpt-oss's rotary returns half-width tables)
+    first, second = torch.chunk(x, 2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_layer, config):
+        super().__init__()
+        attn = hf_layer.self_attn
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_size, self.scale = attn.head_dim, attn.scaling
+        self.qkv_proj, self.o_proj = fuse(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj
+        self.mlp = hf_layer.mlp  # router + experts: [1, T, hidden] -> ([1, T, hidden], router scores)
+        self.input_norm = hf_layer.input_layernorm.weight
+        self.post_attention_norm = hf_layer.post_attention_layernorm.weight
+        self.eps = config.rms_norm_eps
+        self.variants = variant_kwargs(window=window_left(layer_sliding_window(attn, config)), sinks=attn.sinks)
+
+    def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: Attention) -> torch.Tensor:
+        # x: [T, hidden]
+        T, D = x.shape[0], self.head_size
+        q, k, v = self.qkv_proj(rms_norm(x, self.input_norm, self.eps)).split(
+            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = apply_rope(q.view(T, self.num_heads, D), cos, sin)
+        k = apply_rope(k.view(T, self.num_kv_heads, D), cos, sin)
+        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale, **self.variants)  # [T, H, D]
+        x = x + self.o_proj(o.reshape(T, -1))
+        h, _ = self.mlp(rms_norm(x, self.post_attention_norm, self.eps)[None])
+        return x + h[0]
+
+
+class GptOssForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], attention) -> hidden [T, hidden]``; ``logits(hidden)``."""
+
+    def __init__(self, hf_model):
+        super().__init__()
+        cfg, base = hf_model.config, hf_model.model
+        self.embed_tokens, self.rotary = base.embed_tokens, base.rotary_emb
+        self.layers = nn.ModuleList(DecoderLayer(layer, cfg) for layer in base.layers)
+        self.norm, self.eps = base.norm.weight, cfg.rms_norm_eps
+        self.lm_head = hf_model.lm_head
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(x, positions[None])  # [1, T, D / 2] each, in x's dtype
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [T, 1, D / 2]
+        for i, layer in enumerate(self.layers):
+            x = layer(i, x, cos, sin, attention)
+        return rms_norm(x, self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
