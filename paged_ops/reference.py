@@ -219,7 +219,10 @@ def merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suf
     m = torch.where(torch.isinf(m) & (m < 0), torch.zeros_like(m), m)  # both -inf: weights 0/0 = NaN
     wa, wb = torch.exp(a - m), torch.exp(b - m)
     total = wa + wb
-    merged = (wa.unsqueeze(-1) * prefix_out.to(torch.float64) + wb.unsqueeze(-1) * suffix_out.to(torch.float64))
+    # A side at -inf contributes nothing, even its out: attention over no keys leaves it NaN.
+    pa = torch.where(torch.isneginf(a).unsqueeze(-1), 0.0, wa.unsqueeze(-1) * prefix_out.to(torch.float64))
+    pb = torch.where(torch.isneginf(b).unsqueeze(-1), 0.0, wb.unsqueeze(-1) * suffix_out.to(torch.float64))
+    merged = pa + pb
     out.copy_((merged / total.unsqueeze(-1)).to(out.dtype))
     if out_lse is not None:
         out_lse.copy_((m + torch.log(total)).to(out_lse.dtype))
