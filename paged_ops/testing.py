@@ -14,7 +14,10 @@ thing everywhere:
   kernel that reads any of them fails the budget (NaN or someone else's tokens) or faults.
 - ``TOLERANCE`` is the budget: relative L2 error against ``paged_ops.reference`` run in
   float64 on the same stored inputs; ``rel_err`` measures it (NaN anywhere gives NaN) and
-  ``assert_close`` checks it.
+  ``assert_close`` checks it. A log-sum-exp (``lse``) has its own measure, ``assert_lse_close``.
+- ``make_variants`` builds the attention variants' keyword arguments (soft-cap, sliding window,
+  sinks, ALiBi slopes, an NaN-poisoned ``lse`` buffer); ``PagedCase.reference_*`` take the same
+  keywords.
 """
 from __future__ import annotations
 
@@ -26,9 +29,9 @@ import torch
 
 from . import reference
 
-__all__ = ["TOLERANCE", "FP8_DTYPES", "GARBAGE_BLOCK_ID", "rel_err", "assert_close", "assert_bits_equal",
-           "bits", "poison", "nan_like", "empty_cache", "random_tensor", "fp8_scales", "ragged_lens",
-           "PagedCase", "make_case"]
+__all__ = ["TOLERANCE", "FP8_DTYPES", "GARBAGE_BLOCK_ID", "rel_err", "assert_close", "assert_lse_close",
+           "assert_bits_equal", "bits", "poison", "nan_like", "empty_cache", "random_tensor", "fp8_scales",
+           "ragged_lens", "alibi_slopes", "make_variants", "PagedCase", "make_case"]
 
 # Relative L2 error of an output against the float64 reference, by the query dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -56,6 +59,29 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype | None
     where = f" ({msg})" if msg else ""
     assert not math.isnan(err), f"output holds NaN: a poisoned slot or output row leaked{where}"
     assert err <= TOLERANCE[dtype], f"relative L2 error {err:.3g} > {TOLERANCE[dtype]:g} for {dtype}{where}"
+    return err
+
+
+def assert_lse_close(lse: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, msg: str = "") -> float:
+    """Assert a log-sum-exp close to the reference's: ``-inf`` exactly where the reference is
+    (rows with nothing to attend to), elsewhere ``|lse - ref| <= TOLERANCE[dtype] * max(1, |ref|)``.
+
+    Why this budget: an lse error ``d`` scales that part's weight in a merge by ``e^d ~ 1 + d``,
+    so an absolute error within the output budget of the query dtype keeps a merged output
+    within that budget too; past ``|ref| = 1`` the bound turns relative, because the float32 lse
+    itself (and the float32 scores it is the log-sum of) cannot be closer than a few ulps of its
+    magnitude. Returns the largest scaled error."""
+    lse, ref = lse.detach().double().cpu(), ref.detach().double().cpu()
+    where = f" ({msg})" if msg else ""
+    assert lse.shape == ref.shape, f"lse has shape {tuple(lse.shape)}, ref {tuple(ref.shape)}{where}"
+    empty = ref == -math.inf
+    assert torch.equal(lse == -math.inf, empty), f"lse is -inf exactly where the reference is{where}"
+    finite = ~empty
+    assert not lse[finite].isnan().any(), f"lse holds NaN: a row was not written{where}"
+    if not finite.any():
+        return 0.0
+    err = ((lse[finite] - ref[finite]).abs() / ref[finite].abs().clamp(min=1.0)).max().item()
+    assert err <= TOLERANCE[dtype], f"lse error {err:.3g} > {TOLERANCE[dtype]:g} for {dtype}{where}"
     return err
 
 
@@ -137,6 +163,48 @@ def ragged_lens(block_size: int) -> list[int]:
     return [1, block_size, 2 * block_size + 1, 3 * block_size - 1, 37]
 
 
+def alibi_slopes(num_heads: int, device="cpu") -> torch.Tensor:
+    """ALiBi's slopes (Press et al.; BLOOM's, for any head count): the geometric sequence
+    ``2^(-8 (h + 1) / n)`` for the largest power of two ``n <= num_heads``, then every other term of
+    the sequence for ``2n`` heads. float32 ``[num_heads]``."""
+    def powers(n):
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(n) + powers(2 * n)[0::2][:num_heads - n]
+    return torch.tensor(slopes, dtype=torch.float32, device=device)
+
+
+def make_variants(num_heads: int, *, softcap: float = 0.0, window_left: int = -1, sinks: bool = False,
+                  alibi: bool = False, lse_rows: int | None = None, seed: int = 0, device="cpu") -> dict:
+    """The keyword arguments of decode_attention/prefill_attention for a set of variants.
+
+    sinks: random float32 ``[num_heads]`` logits in [-1, 5) (around ln of the test lengths, so
+    the sink takes a visible share of each row); alibi: ``alibi_slopes(num_heads)``;
+    lse_rows: an NaN-filled float32 ``[lse_rows, num_heads]`` lse buffer (None: no lse).
+    Tensors are on device; the reference helpers move them to the CPU themselves."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    kw: dict = {}
+    if softcap:
+        kw["softcap"] = float(softcap)
+    if window_left >= 0:
+        kw["window_left"] = int(window_left)
+    if sinks:
+        kw["sinks"] = (torch.rand(num_heads, generator=g) * 6 - 1).to(device)
+    if alibi:
+        kw["alibi_slopes"] = alibi_slopes(num_heads, device)
+    if lse_rows is not None:
+        kw["lse"] = poison(torch.empty(lse_rows, num_heads, dtype=torch.float32, device=device))
+    return kw
+
+
+def _reference_variants(variants: dict) -> dict:
+    # The reference's keywords: tensors on the CPU; lse is the caller's output, not an input.
+    return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in variants.items()
+            if k not in ("lse", "batch_invariant")}
+
+
 @dataclass
 class PagedCase:
     """A batch of sequences whose first ``seq_lens[s]`` tokens are cached.
@@ -203,19 +271,31 @@ class PagedCase:
         args[1] = args[1].double()
         return args
 
-    def reference_prefill(self, causal=True) -> torch.Tensor:
-        """prefill_attention by the float64 reference, on the CPU: [total_q, num_heads, head_size]."""
-        ref = torch.empty(self.query.shape, dtype=torch.float64)
-        args = self._on_cpu_in_float64(self.prefill_args(ref, causal))
-        reference.prefill_attention(*args)
-        return ref
+    def reference_prefill(self, causal=True, **variants) -> torch.Tensor:
+        """prefill_attention by the float64 reference, on the CPU: [total_q, num_heads, head_size].
+        variants: the op's keyword-only arguments (make_variants; a given lse is ignored)."""
+        return self.reference_prefill_lse(causal, **variants)[0]
 
-    def reference_decode(self) -> torch.Tensor:
-        """decode_attention by the float64 reference, on the CPU: [num_seqs, num_heads, head_size]."""
+    def reference_prefill_lse(self, causal=True, **variants) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of prefill_attention by the float64 reference, on the CPU:
+        [total_q, num_heads, head_size] and [total_q, num_heads]."""
         ref = torch.empty(self.query.shape, dtype=torch.float64)
+        lse = torch.empty(self.query.shape[:2], dtype=torch.float64)
+        args = self._on_cpu_in_float64(self.prefill_args(ref, causal))
+        reference.prefill_attention(*args, lse=lse, **_reference_variants(variants))
+        return ref, lse
+
+    def reference_decode(self, **variants) -> torch.Tensor:
+        """decode_attention by the float64 reference, on the CPU: [num_seqs, num_heads, head_size]."""
+        return self.reference_decode_lse(**variants)[0]
+
+    def reference_decode_lse(self, **variants) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out, lse) of decode_attention by the float64 reference, on the CPU."""
+        ref = torch.empty(self.query.shape, dtype=torch.float64)
+        lse = torch.empty(self.query.shape[:2], dtype=torch.float64)
         args = self._on_cpu_in_float64(self.decode_args(ref))
-        reference.decode_attention(*args)
-        return ref
+        reference.decode_attention(*args, lse=lse, **_reference_variants(variants))
+        return ref, lse
 
 
 def _store(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> None:

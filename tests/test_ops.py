@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 import paged_ops
 from paged_ops import reference
-from paged_ops.testing import (FP8_DTYPES, GARBAGE_BLOCK_ID, assert_bits_equal, assert_close, bits, empty_cache,
-                               make_case, nan_like, poison, ragged_lens)
+from paged_ops.testing import (FP8_DTYPES, GARBAGE_BLOCK_ID, assert_bits_equal, assert_close, assert_lse_close, bits,
+                               empty_cache, make_case, make_variants, nan_like, poison, ragged_lens, random_tensor)
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -391,6 +391,429 @@ def test_make_case_poisons_what_no_sequence_reads(layout, cache_dtype):
         values = cache.float()
         assert values[~used].isnan().all() and not values[used].isnan().any()
     assert c.q_lens == [1, 5, 33] and c.max_seqlen_q == 33 and c.query.shape == (39, 4, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# attention variants (#13): soft-cap, sliding window, sinks, ALiBi, the log-sum-exp
+
+@dataclass(frozen=True)
+class Var:
+    """A set of the keyword-only variants of decode/prefill (paged_ops.reference.attention)."""
+
+    softcap: float = 0.0
+    window_left: int = -1
+    sinks: bool = False
+    alibi: bool = False
+    lse: bool = False
+
+    def kwargs(self, case, device, seed=0) -> dict:
+        return make_variants(case.query.shape[1], softcap=self.softcap, window_left=self.window_left,
+                             sinks=self.sinks, alibi=self.alibi, lse_rows=case.query.shape[0] if self.lse else None,
+                             seed=seed, device=device)
+
+    @property
+    def id(self) -> str:
+        parts = ([f"cap{self.softcap:g}"] * bool(self.softcap) + [f"win{self.window_left}"] * (self.window_left >= 0)
+                 + ["sinks"] * self.sinks + ["alibi"] * self.alibi + ["lse"] * self.lse)
+        return "+".join(parts) or "plain"
+
+    __str__ = id.fget  # test ids
+
+
+# Each variant alone (windows: only the query itself, shorter than a block, across blocks), then
+# pairs and triples so that every two variants meet, then all of them.
+VARIANTS = [
+    Var(softcap=1.5), Var(window_left=0), Var(window_left=5), Var(window_left=20), Var(sinks=True), Var(alibi=True),
+    Var(lse=True),
+    Var(softcap=2.0, window_left=7, lse=True), Var(sinks=True, alibi=True, lse=True), Var(window_left=3, sinks=True),
+    Var(softcap=0.7, alibi=True), Var(window_left=12, alibi=True, lse=True), Var(softcap=1.0, sinks=True, lse=True),
+    Var(softcap=1.5, window_left=9, sinks=True, alibi=True, lse=True),
+]
+ALL_VARIANTS = VARIANTS[-1]
+
+# Long contexts, so that every backend's split-KV path runs with the variants (cpu: a parallel call
+# with fewer tasks than threads x 4 splits at >= 256 tokens; cuda/cuda_emu: past 512 tokens on few
+# blocks; triton: few programs for the SM count), and windows far shorter than the sequence
+# (blocks before the window skipped).
+VARIANT_LONG = {
+    "decode": [
+        (Attn((2100, 40), None, 4, 2, 128, 16, BF16, seed=21), Var(window_left=100, sinks=True, lse=True)),
+        (Attn((700,), None, 2, 2, 64, 3, F16, E4M3, "HND", "head", seed=22), Var(softcap=1.2, alibi=True, lse=True)),
+        (Attn((1300, 9), None, 8, 1, 64, 16, F32, seed=23), ALL_VARIANTS),
+        (Attn((600,), None, 1, 2, 64, 1, F32, seed=24), Var(window_left=31, alibi=True)),
+    ],
+    "prefill": [
+        (Attn((2100,), (3,), 4, 2, 128, 16, BF16, seed=25), ALL_VARIANTS),
+        (Attn((600, 90), (64, 90), 2, 2, 64, 16, F16, causal=False, seed=26), Var(window_left=40, alibi=True, lse=True)),
+        (Attn((900, 30), (40, 30), 4, 1, 96, 3, F32, E5M2, "HND", "tensor", seed=27),
+         Var(softcap=0.9, window_left=200, sinks=True, lse=True)),
+    ],
+}
+
+
+def _variant_cases(kind: str, tier: str):
+    """(case, variants) pairs: the small grid with the variants rotating through it (small: each
+    case with two variant sets; pairwise: three; full: every case with every set), plus the long
+    cases; the emulator and the full grid also take the wide axes (fp8 formats, big groups)."""
+    base = GRIDS[kind]["small"]
+    rounds = {"small": 2, "pairwise": 3, "full": len(VARIANTS)}[tier]
+    pairs = [(c, VARIANTS[(i + 5 * r) % len(VARIANTS)]) for r in range(rounds) for i, c in enumerate(base)]
+    if tier != "small":
+        wide = DECODE_WIDE if kind == "decode" else PREFILL_PAIRWISE
+        pairs += [(c, VARIANTS[i % len(VARIANTS)]) for i, c in enumerate(wide)]
+    return _unique(pairs + VARIANT_LONG[kind])
+
+
+def by_backend_variants(kind: str):
+    return [pytest.param(b, c, v, id=f"{b}-{c.id}-{v.id}") for b in BACKENDS for c, v in _variant_cases(kind, TIER[b])]
+
+
+@pytest.mark.parametrize("backend,case,var", by_backend_variants("decode"))
+def test_decode_attention_variants(backend, case, var):
+    device = device_of(backend)
+    c = case.build(device)
+    kw = var.kwargs(c, device, case.seed)
+    out = nan_like(c.query)
+    paged_ops.backend(backend).decode_attention(*c.decode_args(out), **kw)
+    sync(device)
+    ref, ref_lse = c.reference_decode_lse(**kw)
+    assert_close(out, ref, c.dtype)
+    if var.lse:
+        assert_lse_close(kw["lse"], ref_lse, c.dtype)
+
+
+@pytest.mark.parametrize("backend,case,var", by_backend_variants("prefill"))
+def test_prefill_attention_variants(backend, case, var):
+    device = device_of(backend)
+    c = case.build(device)
+    kw = var.kwargs(c, device, case.seed)
+    out = nan_like(c.query)
+    paged_ops.backend(backend).prefill_attention(*c.prefill_args(out, case.causal), **kw)
+    sync(device)
+    ref, ref_lse = c.reference_prefill_lse(case.causal, **kw)
+    assert_close(out, ref, c.dtype)
+    if var.lse:
+        assert_lse_close(kw["lse"], ref_lse, c.dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_variants_with_defaults_spelled_out_equal_the_plain_call(backend):
+    # softcap=0, window_left=-1, sinks/alibi None are "no variant": the same bits as the old call.
+    device = device_of(backend)
+    c = make_case([9, 40], [9, 5], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=F16, seed=3,
+                  device=device)
+    plain, spelled = nan_like(c.query), nan_like(c.query)
+    ops = paged_ops.backend(backend)
+    ops.prefill_attention(*c.prefill_args(plain))
+    ops.prefill_attention(*c.prefill_args(spelled), softcap=0.0, window_left=-1, sinks=None, alibi_slopes=None,
+                          lse=None, batch_invariant=False)
+    sync(device)
+    assert_bits_equal(spelled, plain)
+
+
+@pytest.mark.parametrize("backend,window_left", with_backends((0, 1, 15, 16, 17, 1000)))
+def test_window_at_block_boundaries(backend, window_left):
+    # Windows around the block size (16): the first visible key at every offset of its block, and
+    # a window longer than the sequence (no effect); prefill rows at every position, decode rows.
+    device = device_of(backend)
+    c = make_case([70, 33, 1], [30, 1, 1], num_heads=4, num_kv_heads=1, head_size=64, block_size=16, seed=window_left,
+                  device=device)
+    kw = make_variants(4, window_left=window_left, lse_rows=c.query.shape[0], device=device)
+    out = nan_like(c.query)
+    paged_ops.backend(backend).prefill_attention(*c.prefill_args(out), **kw)
+    sync(device)
+    ref, ref_lse = c.reference_prefill_lse(**kw)
+    assert_close(out, ref, F32)
+    assert_lse_close(kw["lse"], ref_lse, F32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sinks_dominating_and_negligible(backend):
+    # A sink far above every score (the row is nearly all sink: out ~ 0, lse ~ sink) and far below
+    # (no effect); out is checked against the reference's tiny values, lse at the sink.
+    device = device_of(backend)
+    c = make_case([40, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=4, device=device)
+    sinks = torch.tensor([30.0, -30.0, 0.0, 8.0], device=device)
+    lse = poison(torch.empty(2, 4, device=device))
+    out = nan_like(c.query)
+    paged_ops.backend(backend).decode_attention(*c.decode_args(out), sinks=sinks, lse=lse)
+    sync(device)
+    ref, ref_lse = c.reference_decode_lse(sinks=sinks)
+    assert_close(out, ref, F32)
+    assert_lse_close(lse, ref_lse, F32)
+
+
+# -- merge_attention_states --
+
+def merge_inputs(dtype, num_tokens=9, num_heads=4, head_size=80, seed=0):
+    """Random partial states with the special rows the contract names: a side at -inf (its out
+    NaN, as attention over no keys gives), both sides -inf, sides far apart, +inf and NaN lses."""
+    g = torch.Generator().manual_seed(seed)
+    prefix_out = torch.randn(num_tokens, num_heads, head_size, generator=g).to(dtype)
+    suffix_out = torch.randn(num_tokens, num_heads, head_size, generator=g).to(dtype)
+    prefix_lse = torch.randn(num_tokens, num_heads, generator=g) * 4
+    suffix_lse = torch.randn(num_tokens, num_heads, generator=g) * 4
+    inf = float("inf")
+    prefix_lse[0, :2] = -inf
+    prefix_out[0, :2] = float("nan")  # no keys on that side: out NaN, lse -inf (reference.attention)
+    suffix_lse[1, 1:3] = -inf
+    suffix_out[1, 1:3] = float("nan")
+    prefix_lse[2], suffix_lse[2] = -inf, -inf
+    prefix_out[2], suffix_out[2] = float("nan"), float("nan")
+    prefix_lse[3], suffix_lse[3] = torch.tensor([80.0, -80.0, 0.0, 1e-3]), torch.tensor([-80.0, 80.0, 0.0, -1e-3])
+    prefix_lse[4, 0], suffix_lse[4, 1], prefix_lse[4, 2] = inf, float("nan"), -inf
+    suffix_lse[4, 2] = inf
+    return prefix_out, prefix_lse, suffix_out, suffix_lse
+
+
+@pytest.mark.parametrize("backend,dtype,with_out_lse", with_backends(DTYPES, (True, False)))
+def test_merge_attention_states(backend, dtype, with_out_lse):
+    device = device_of(backend)
+    inputs = merge_inputs(dtype, seed=len(str(dtype)))
+    ref = torch.empty(inputs[0].shape, dtype=torch.float64)
+    ref_lse = torch.empty(inputs[1].shape, dtype=torch.float64)
+    reference.merge_attention_states(ref, ref_lse, *inputs)
+    out = nan_like(inputs[0]).to(device)
+    out_lse = poison(torch.empty(inputs[1].shape, device=device)) if with_out_lse else None
+    paged_ops.backend(backend).merge_attention_states(out, out_lse, *(t.to(device) for t in inputs))
+    sync(device)
+    out = out.cpu()
+    nan_rows = ref.isnan().any(-1)  # both sides -inf, or a +inf / NaN lse
+    assert nan_rows[2].all() and nan_rows[4, :3].all() and nan_rows.sum() == 7
+    assert out[nan_rows].isnan().all(), "rows the contract makes NaN"
+    assert_close(out[~nan_rows], ref[~nan_rows], dtype)
+    if with_out_lse:
+        out_lse = out_lse.cpu()
+        assert (out_lse[2] == -float("inf")).all(), "both sides -inf: lse -inf"
+        assert not out_lse[4, :3].isfinite().any(), "a +inf / NaN side: no finite lse"
+        assert_lse_close(out_lse[~nan_rows], ref_lse[~nan_rows], dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_merge_attention_states_strided_outputs(backend):
+    # out and the partial outs as strided views (stride(-1) == 1 only), many rows: nothing outside
+    # out's view is written.
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(11)
+    wide = torch.randn(300, 8, 2, 64, generator=g).to(BF16)
+    prefix_out, suffix_out = wide[:, :, 0], wide[:, :, 1]
+    prefix_lse, suffix_lse = torch.randn(300, 8, generator=g) * 3, torch.randn(300, 8, generator=g) * 3
+    ref = torch.empty(300, 8, 64, dtype=torch.float64)
+    reference.merge_attention_states(ref, None, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    out_wide = poison(torch.empty(300, 8, 128, dtype=BF16, device=device))
+    out = out_wide[..., 32:96]
+    paged_ops.backend(backend).merge_attention_states(
+        out, None, prefix_out.to(device), prefix_lse.to(device), suffix_out.to(device), suffix_lse.to(device))
+    sync(device)
+    assert_close(out, ref, BF16)
+    assert out_wide[..., :32].isnan().all() and out_wide[..., 96:].isnan().all(), "wrote outside out's view"
+
+
+# -- the cascade identity: attention over a sequence == merge(attention over a shared prefix,
+# attention over the rest), with real block tables --
+
+def cascade_case(block_size, dtype, device, seed):
+    """Three sequences whose first ``prefix_len`` tokens are one shared prefix (the same blocks in
+    every table: the blocks make_case gave the other two sequences there are poisoned, unread)
+    and query rows (a decode row, a chunk of 4, a chunk of 2) at their ends."""
+    prefix_len = max(2, -(-8 // block_size)) * block_size  # whole blocks, >= 7 (the query rows: q_len <= seq_len)
+    suffix_lens = [5, 23, 2 * block_size + 3]
+    q_lens = [1, 4, 2]
+    c = make_case([prefix_len + n for n in suffix_lens], q_lens, num_heads=8, num_kv_heads=2, head_size=64,
+                  block_size=block_size, dtype=dtype, seed=seed)
+    shared = prefix_len // block_size
+    for s in (1, 2):
+        for b in c.block_tables[s, :shared].tolist():
+            poison(c.key_cache[b]), poison(c.value_cache[b])
+        c.block_tables[s, :shared] = c.block_tables[0, :shared]
+    return c.to(device), prefix_len, suffix_lens
+
+
+@pytest.mark.parametrize("backend,block_size,dtype,var", with_backends(
+    [(16, F32), (3, BF16), (1, F16)], [Var(), Var(softcap=1.3), Var(softcap=0.8, sinks=True)]))
+def test_cascade_identity(backend, block_size, dtype, var):
+    """Full attention == merge(prefix pass, suffix pass): the prefix pass takes every query row of
+    the batch as ONE sequence over the shared prefix (computed once, causal=False: all its keys
+    precede every query), the suffix pass each sequence over its own blocks after the prefix
+    (causal, so positions line up bottom-right). Soft-cap applies in both passes; a sink is one
+    logit per row, so it goes into exactly one pass (the prefix). ALiBi and windows depend on
+    absolute positions, which a pass over part of the keys does not see: not part of the identity."""
+    device = device_of(backend)
+    c, prefix_len, suffix_lens = cascade_case(block_size, dtype, device, seed=block_size)
+    ops = paged_ops.backend(backend)
+    full_kw = var.kwargs(c, device, seed=7)
+    total_q, num_heads = c.query.shape[:2]
+
+    full, full_lse = nan_like(c.query), poison(torch.empty(total_q, num_heads, device=device))
+    ops.prefill_attention(*c.prefill_args(full), **{**full_kw, "lse": full_lse})
+
+    shared = prefix_len // block_size
+    garbage = torch.full((1, 1), GARBAGE_BLOCK_ID, dtype=torch.int32, device=device)
+    prefix_table = torch.cat([c.block_tables[:1, :shared], garbage], dim=1)
+    prefix_out, prefix_lse = nan_like(c.query), poison(torch.empty(total_q, num_heads, device=device))
+    ops.prefill_attention(prefix_out, c.query, c.key_cache, c.value_cache, prefix_table,
+                          torch.tensor([0, total_q], dtype=torch.int32, device=device),
+                          torch.tensor([prefix_len], dtype=torch.int32, device=device), total_q, c.scale, False,
+                          c.k_scale, c.v_scale, softcap=var.softcap, sinks=full_kw.get("sinks"), lse=prefix_lse)
+
+    suffix_out, suffix_lse = nan_like(c.query), poison(torch.empty(total_q, num_heads, device=device))
+    ops.prefill_attention(suffix_out, c.query, c.key_cache, c.value_cache, c.block_tables[:, shared:].contiguous(),
+                          c.cu_seqlens_q, torch.tensor(suffix_lens, dtype=torch.int32, device=device),
+                          c.max_seqlen_q, c.scale, True, c.k_scale, c.v_scale, softcap=var.softcap, lse=suffix_lse)
+
+    merged, merged_lse = nan_like(c.query), poison(torch.empty(total_q, num_heads, device=device))
+    ops.merge_attention_states(merged, merged_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    sync(device)
+    ref, ref_lse = c.reference_prefill_lse(**full_kw)
+    assert_close(full, ref, dtype, "one pass")
+    assert_close(merged, ref, dtype, "prefix pass merged with suffix pass")
+    assert_lse_close(full_lse, ref_lse, dtype, "one pass")
+    assert_lse_close(merged_lse, ref_lse, dtype, "merged")
+
+
+# -- the batch-invariant mode: a row's bits do not depend on the rest of the batch --
+
+# The target sequence is long enough that every backend splits its KV when the batch leaves
+# threads / SMs idle (cpu: 2100 x 8 heads x 128 passes the parallel threshold and is split at
+# 256+ tokens; cuda/cuda_emu: past 512 tokens; triton: few programs), and the other sequences
+# change that: short and long neighbours, some long enough to split themselves.
+TARGET_LEN = 2100
+POOL_LENS = [TARGET_LEN, 37, 3000, 5, 1200, 700, 1]
+# Batches as rows of the pool (index 0 = the target), each with its own block-table width.
+BATCH_MIXES = [[0], [1, 0], [0, 2], [3, 4, 0, 5, 6], [2, 4, 5, 0, 1, 3]]
+
+
+def invariance_pool(dtype, device, seed=0):
+    """One cache holding the pool's sequences; decode queries for each, and for the target a
+    chunk of 17 prefill query rows ending in its decode query (row 16 at position TARGET_LEN - 1)."""
+    pool = make_case(POOL_LENS, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=dtype, seed=seed)
+    chunk = random_tensor((17, 8, 128), dtype, torch.Generator().manual_seed(seed + 5))
+    chunk[-1] = pool.query[0]
+    return pool.to(device), chunk.to(device)
+
+
+def sub_batch(pool, rows, width_pad):
+    """decode args of the pool's sequences ``rows``: the block table cut to their longest sequence
+    plus ``width_pad`` garbage columns (engines pass tables of varying widths)."""
+    rows_t = torch.tensor(rows, device=pool.device)
+    blocks = -(-max(POOL_LENS[r] for r in rows) // pool.key_cache.shape[1])
+    table = pool.block_tables[rows_t, :blocks]
+    if width_pad:
+        table = torch.cat([table, torch.full((len(rows), width_pad), GARBAGE_BLOCK_ID, dtype=torch.int32,
+                                             device=pool.device)], dim=1)
+    return (pool.query[rows_t], pool.key_cache, pool.value_cache, table.contiguous(), pool.seq_lens[rows_t],
+            pool.scale, pool.k_scale, pool.v_scale)
+
+
+def run_decode(ops, args, kw, num_rows):
+    out = nan_like(args[0])
+    lse = poison(torch.empty(num_rows, args[0].shape[1], device=args[0].device))
+    ops.decode_attention(out, *args, **kw, lse=lse)
+    return out, lse
+
+
+def invariance_variants(var, device):
+    return make_variants(8, softcap=var.softcap, window_left=var.window_left, sinks=var.sinks, alibi=var.alibi,
+                         seed=3, device=device)
+
+
+INVARIANCE_VARIANTS = [Var(), Var(softcap=1.5, window_left=500, sinks=True, alibi=True)]
+
+
+@pytest.mark.parametrize("backend,dtype,var", with_backends([BF16, F32], INVARIANCE_VARIANTS))
+def test_batch_invariant_decode_across_batches(backend, dtype, var):
+    """(a) the target alone vs (b) inside batches of other lengths and table widths: out and lse
+    bitwise equal in the mode, and right (against the reference)."""
+    device = device_of(backend)
+    pool, _ = invariance_pool(dtype, device)
+    ops = paged_ops.backend(backend)
+    kw = dict(invariance_variants(var, device), batch_invariant=True)
+    results = []
+    for i, rows in enumerate(BATCH_MIXES):
+        out, lse = run_decode(ops, sub_batch(pool, rows, width_pad=i % 3), kw, len(rows))
+        sync(device)
+        results.append((rows, out[rows.index(0)], lse[rows.index(0)]))
+    ref, ref_lse = pool_reference(pool, kw)
+    assert_close(results[0][1], ref, dtype, "the target alone")
+    assert_lse_close(results[0][2][None], ref_lse[None], dtype)
+    for rows, out, lse in results[1:]:
+        assert_bits_equal(out, results[0][1], f"out of the target in batch {rows} vs alone")
+        assert_bits_equal(lse, results[0][2], f"lse of the target in batch {rows} vs alone")
+
+
+def pool_reference(pool, kw, seq_len=TARGET_LEN, query=None):
+    """The reference's out/lse row of the target at kv length seq_len (decode)."""
+    q = pool.query[:1] if query is None else query[None]
+    ref = torch.empty(q.shape, dtype=torch.float64)
+    lse = torch.empty(q.shape[:2], dtype=torch.float64)
+    variants = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items() if k != "batch_invariant"}
+    reference.decode_attention(ref, q.cpu().double(), pool.key_cache.cpu(), pool.value_cache.cpu(),
+                               pool.block_tables[:1].cpu(), torch.tensor([seq_len], dtype=torch.int32), pool.scale,
+                               None if pool.k_scale is None else pool.k_scale.cpu(),
+                               None if pool.v_scale is None else pool.v_scale.cpu(), lse=lse, **variants)
+    return ref[0], lse[0]
+
+
+@pytest.mark.parametrize("backend,dtype,var", with_backends([BF16], INVARIANCE_VARIANTS))
+def test_batch_invariant_prefill_rows_equal_decode(backend, dtype, var):
+    """(c) chunked prefill: row i of a causal prefill chunk of q_len rows (in a batch with other
+    sequences' prefill and decode rows) has the bits of a decode at seq_len = its position + 1,
+    for q_len 1, 3 and 17."""
+    device = device_of(backend)
+    pool, chunk = invariance_pool(dtype, device)
+    ops = paged_ops.backend(backend)
+    kw = dict(invariance_variants(var, device), batch_invariant=True)
+    decode_rows = {}
+    for q_len in (1, 3, 17):
+        rows = chunk[17 - q_len:]
+        # with a long sequence's decode row, another sequence's 30-row chunk and a 1-token sequence
+        query = torch.cat([pool.query[2:3], rows, random_tensor((30, 8, 128), dtype, torch.Generator().manual_seed(q_len),
+                                                                device), pool.query[6:7]])
+        lens = [POOL_LENS[2], TARGET_LEN, POOL_LENS[4], POOL_LENS[6]]
+        q_lens = [1, q_len, 30, 1]
+        table = pool.block_tables[torch.tensor([2, 0, 4, 6], device=device)]
+        cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+        out = nan_like(query)
+        lse = poison(torch.empty(query.shape[:2], device=device))
+        ops.prefill_attention(out, query, pool.key_cache, pool.value_cache, table, cu,
+                              torch.tensor(lens, dtype=torch.int32, device=device), max(q_lens), pool.scale, True,
+                              pool.k_scale, pool.v_scale, **kw, lse=lse)
+        for i in range(q_len):
+            position = TARGET_LEN - q_len + i
+            if position not in decode_rows:
+                d_out, d_lse = run_decode(ops, (chunk[16 - (TARGET_LEN - 1 - position)][None], pool.key_cache,
+                                                pool.value_cache, pool.block_tables[:1],
+                                                torch.tensor([position + 1], dtype=torch.int32, device=device),
+                                                pool.scale, pool.k_scale, pool.v_scale), kw, 1)
+                decode_rows[position] = (d_out[0], d_lse[0])
+            row = 1 + i
+            want_out, want_lse = decode_rows[position]
+            assert_bits_equal(out[row], want_out, f"prefill q_len {q_len} row {i} (position {position}) vs decode")
+            assert_bits_equal(lse[row], want_lse, f"prefill q_len {q_len} row {i} lse vs decode")
+    ref, ref_lse = pool_reference(pool, kw)
+    assert_close(decode_rows[TARGET_LEN - 1][0], ref, dtype)
+    assert_lse_close(decode_rows[TARGET_LEN - 1][1][None], ref_lse[None], dtype)
+
+
+@pytest.mark.parametrize("backend,var", [p for p in with_backends(INVARIANCE_VARIANTS)
+                                         if device_of(p.values[0]) == "cpu"])
+def test_batch_invariant_thread_count(backend, var):
+    """(d) the same batches with 1 and 2 threads (backends on CPU tensors): the same bits."""
+    device = device_of(backend)
+    pool, _ = invariance_pool(BF16, device)
+    ops = paged_ops.backend(backend)
+    kw = dict(invariance_variants(var, device), batch_invariant=True)
+    threads = torch.get_num_threads()
+    got = {}
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got[n] = [run_decode(ops, sub_batch(pool, rows, 0), kw, len(rows)) for rows in BATCH_MIXES[:3]]
+    finally:
+        torch.set_num_threads(threads)
+    for (o1, l1), (o2, l2), rows in zip(got[1], got[2], BATCH_MIXES):
+        assert_bits_equal(o1, o2, f"out, batch {rows}, 1 vs 2 threads")
+        assert_bits_equal(l1, l2, f"lse, batch {rows}, 1 vs 2 threads")
 
 
 # ---------------------------------------------------------------------------------------------
