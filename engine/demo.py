@@ -16,6 +16,8 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**TINY, sliding_window=None),
     # sliding windows of 8 keys: the tests' prompts are longer than that
     "mistral_sw": lambda: MistralConfig(**TINY, sliding_window=8),
+    # max_window_layers=1: layer 0 full, layer 1 "sliding_attention"
+    "qwen2_sw": lambda: Qwen2Config(**TINY, use_sliding_window=True, sliding_window=8, max_window_layers=1),
     # layer 0 "sliding_attention", layer 1 full; soft-caps low enough that the random logits reach
     # them; query_pre_attn_scalar apart from head_dim so a wrong attention scale shows
     "gemma2": lambda: Gemma2Config(**TINY, head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
