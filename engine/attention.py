@@ -83,6 +83,17 @@ def layer_sliding_window(hf_attention: torch.nn.Module, config) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types the ops can run
+
+
+def check_layer_types(config) -> None:
+    """A ValueError for a model whose ``layer_types`` name an attention the engine cannot run
+    (e.g. Llama 4's "chunked_attention", built by transformers as a mask the engine never builds)."""
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if other:
+        raise ValueError(f"layer_types {other} are not supported by the engine (only {LAYER_TYPES})")
+
+
 def variant_kwargs(softcap: float | None = None, window: int = -1, sinks: torch.Tensor | None = None) -> dict:
     """The ops' keyword-only variant arguments that differ from their defaults (a plain model's
     call stays the plain call). softcap None or 0: none; sinks: per-head logits, float32 as the
@@ -146,6 +157,10 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling, 
     assert meta is not None, "paged_ops attention called outside ModelRunner.run"
     if not getattr(module, "is_causal", True):  # e.g. Gemma with use_bidirectional_attention
         raise ValueError(f"{type(module).__name__}: non-causal attention is not supported by the engine")
+    layer_types = getattr(getattr(module, "config", None), "layer_types", None)
+    if sliding_window is None and layer_types and layer_types[module.layer_idx] == "sliding_attention":
+        # transformers would apply this layer's window through its mask, which the engine never builds
+        raise ValueError(f"{type(module).__name__} does not pass its sliding_window to the attention function")
     to_tokens = lambda x: x[0].transpose(0, 1).contiguous()  # noqa: E731  [T, heads, D]
     out = paged_attention(meta, module.layer_idx, to_tokens(query), to_tokens(key), to_tokens(value), scaling,
                           **variant_kwargs(softcap, window_left(sliding_window), s_aux))

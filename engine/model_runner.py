@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .attention import (ATTN_IMPLEMENTATION, AttentionMetadata, KVCache, load_kv_scales, ops, paged_attention,
-                        step_metadata)
+from .attention import (ATTN_IMPLEMENTATION, AttentionMetadata, KVCache, check_layer_types, load_kv_scales, ops,
+                        paged_attention, step_metadata)
 from .config import KV_CACHE_DTYPES, EngineConfig
 from .models import gemma2, gpt_oss, llama
 from .models.packed_linear import can_pack, pack_linears
@@ -47,6 +47,7 @@ class ModelRunner:
         self.device, self.block_size = config.torch_device, config.block_size
         self.config = AutoConfig.from_pretrained(config.model)
         self.dtype = config.resolve_dtype(self.config)
+        check_layer_types(self.config)
         hf_model = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION).to(self.device).eval()
         self.generation_config = hf_model.generation_config
