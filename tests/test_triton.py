@@ -25,8 +25,8 @@ from paged_ops import reference
 from paged_ops import triton as triton_backend
 from paged_ops.testing import assert_bits_equal, assert_close, make_case, nan_like, poison
 from paged_ops.triton import autotune, decode, prefill
-from paged_ops.triton._common import INTERPRET, fp8_format
-from paged_ops.triton._tiles import fp8_bits_to_float
+from paged_ops.triton._common import INTERPRET, Variants, fp8_format
+from paged_ops.triton._tiles import fp8_bits_to_float, tanh
 from tests.test_ops import DECODE_SMALL
 import triton
 import triton.language as tl
@@ -278,3 +278,301 @@ def test_corrupt_tuning_cache_is_ignored(tmp_path, monkeypatch):
     default = {"BLOCK_N": 16}
     assert tuner.choose("gpu-x", (1,), default, [], bench=None) == default
     assert autotune.last_config("decode_attention")["source"] == "default"
+
+
+# ---------------------------------------------------------------------------------------------
+# attention variants (issue #13): softcap, window_left, sinks, alibi_slopes, lse — in the split
+# and unsplit decode kernels, the reduce, the prefill kernel (small tiles), and the row-wise
+# batch-invariant path. The cross-backend contract tests are in tests/test_ops.py.
+
+def _variant_args(spec: str, num_heads: int, seed: int = 0) -> dict:
+    """Variant keyword arguments named by ``spec``: '+'-joined softcap, window, sinks, alibi."""
+    g = torch.Generator().manual_seed(seed)
+    kw = {}
+    for part in filter(None, spec.split("+")):
+        if part == "softcap":
+            kw["softcap"] = 1.5  # small: most scores are capped hard, so a missing cap shows
+        elif part.startswith("window"):
+            kw["window_left"] = int(part[len("window"):] or 40)
+        elif part == "sinks":
+            kw["sinks"] = torch.randn(num_heads, generator=g) * 2
+        elif part == "alibi":
+            kw["alibi_slopes"] = torch.rand(num_heads, generator=g) * 0.5
+        else:
+            raise ValueError(part)
+    return kw
+
+
+def _on(kw: dict, device) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+def _reference(case, kw: dict, decode_op: bool, causal: bool = True):
+    """(out, lse) of the float64 reference with the variants, on the CPU."""
+    out = torch.empty(case.query.shape, dtype=torch.float64)
+    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
+    args = case._on_cpu_in_float64(case.decode_args(out) if decode_op else case.prefill_args(out, causal))
+    (reference.decode_attention if decode_op else reference.prefill_attention)(*args, lse=lse, **kw)
+    return out, lse
+
+
+def _nan_lse(case) -> torch.Tensor:
+    return torch.full(case.query.shape[:2], float("nan"), dtype=torch.float32, device=case.device)
+
+
+VARIANT_SPECS = ["softcap", "window", "sinks", "alibi", "softcap+window+sinks+alibi"]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("spec", VARIANT_SPECS)
+def test_decode_variants_split_and_unsplit(spec, splits):
+    # GQA group 2, 16-token tiles and forced splits: the sink must join once (in the reduce when
+    # split), the lse is written by whichever kernel ends the row, and a window plans its splits
+    # over the visible keys (3 asked, fewer used when the window is shorter than 3 tiles).
+    case = make_case([1, 40, 80, 17, 200], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=3,
+                     device=DEVICE)
+    kw = _variant_args(spec, 4)
+    ref, ref_lse = _reference(case, kw, decode_op=True)
+    out, lse = nan_like(case.query), _nan_lse(case)
+    variants = Variants(lse=lse, **_on(kw, DEVICE))
+    used = decode.run_decode(*case.decode_args(out), dict(decode.DEFAULT_CONFIG, BLOCK_N=16), num_splits=splits,
+                             variants=variants)
+    assert (used > 1) == (splits > 1)
+    assert_close(out, ref, F32)
+    assert_close(lse, ref_lse, F32)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype,layout", [(F16, F16, "HND"), (BF16, E4M3, "NHD"), (F32, E5M2, "HND")])
+def test_decode_variants_fp8_and_layouts(dtype, cache_dtype, layout):
+    # Every variant at once on 16-bit queries, fp8 caches (k_scale folds into the score scale
+    # before the cap) and head-major caches, through the backend's entry point (its heuristic).
+    case = make_case([3, 33, 70], num_heads=8, num_kv_heads=2, head_size=40, block_size=8, dtype=dtype,
+                     cache_dtype=cache_dtype, layout=layout, scale_kind="head", seed=5, device=DEVICE)
+    kw = _variant_args("softcap+window20+sinks+alibi", 8, seed=1)
+    ref, ref_lse = _reference(case, kw, decode_op=True)
+    out, lse = nan_like(case.query), _nan_lse(case)
+    triton_backend.decode_attention(*case.decode_args(out), lse=lse, **_on(kw, DEVICE))
+    assert_close(out, ref, dtype)
+    assert_close(lse, ref_lse, F32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("spec", VARIANT_SPECS + ["window2"])
+def test_prefill_variants_small_tiles(spec, causal):
+    # 16-row query tiles, 16-key tiles, block size 3: chunked prefill over cached context, a
+    # decode row, an empty sequence. window2 with 16-row tiles: the tile's last rows see nothing
+    # in its first KV tile (their windows start later), the case MAY_BE_EMPTY exists for.
+    case = make_case([70, 41, 5, 30], [70, 1, 0, 12], num_heads=4, num_kv_heads=2, head_size=64, block_size=3,
+                     seed=2, device=DEVICE)
+    kw = _variant_args(spec, 4)
+    ref, ref_lse = _reference(case, kw, decode_op=False, causal=causal)
+    out, lse = nan_like(case.query), _nan_lse(case)
+    config = {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    prefill.run_prefill(*case.prefill_args(out, causal), config, Variants(lse=lse, **_on(kw, DEVICE)))
+    assert_close(out, ref, F32)
+    assert_close(lse, ref_lse, F32)
+
+
+def test_softcap_tanh_is_accurate():
+    # The kernels' own tanh (libdevice's does not run under the interpreter): a few ulps over
+    # the whole range, including near 0 where the exponential form alone loses ~1e-7 absolute.
+    x = torch.cat([torch.linspace(-12, 12, 4001), torch.linspace(-0.6, 0.6, 2001), torch.tensor([0.0, 1e-30])])
+    x = x.to(DEVICE)
+    out = torch.empty_like(x)
+    _tanh_probe_kernel[(1,)](out, x, x.numel(), BLOCK=8192)
+    want = torch.tanh(x.double())
+    assert ((out.double() - want).abs() <= 4 * torch.finfo(torch.float32).eps * want.abs().clamp_min(1e-30)).all()
+
+
+@triton.jit
+def _tanh_probe_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tanh(tl.load(in_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
+
+
+def _poison_before_window(case, seq: int, first_visible: int) -> None:
+    """NaN into sequence ``seq``'s K and V at every position before ``first_visible``."""
+    bs = case.key_cache.shape[1]
+    for j in range(first_visible):
+        block = int(case.block_tables[seq, j // bs])
+        case.key_cache[block, j % bs] = float("nan")
+        case.value_cache[block, j % bs] = float("nan")
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_window_decode_never_reads_keys_before_the_window(splits):
+    # Keys before a row's window are not merely masked but never loaded: NaN there (a masked
+    # score still multiplies its V by 0, and 0 * NaN is NaN) leaves the output intact, whether
+    # the row is split or not. The reference sees the clean cache.
+    window = 20
+    case = make_case([150, 90], num_heads=4, num_kv_heads=1, head_size=64, block_size=4, seed=8, device=DEVICE)
+    kw = {"window_left": window}
+    ref, ref_lse = _reference(case, kw, decode_op=True)
+    for s, n in enumerate([150, 90]):
+        _poison_before_window(case, s, n - 1 - window)
+    for batch_invariant in (False, True):
+        out, lse = nan_like(case.query), _nan_lse(case)
+        if batch_invariant:
+            triton_backend.decode_attention(*case.decode_args(out), lse=lse, batch_invariant=True, **kw)
+        else:
+            decode.run_decode(*case.decode_args(out), dict(decode.DEFAULT_CONFIG, BLOCK_N=16), num_splits=splits,
+                              variants=Variants(lse=lse, **kw))
+        assert_close(out, ref, F32, msg=f"batch_invariant={batch_invariant}")
+        assert_close(lse, ref_lse, F32)
+
+
+def test_window_prefill_never_reads_keys_before_the_window():
+    # A chunk of 8 queries at the end of 120 cached tokens, window 10: the tile's first row sees
+    # keys from 120 - 8 - 10 on; NaN in every key before that must not reach the output.
+    window = 10
+    case = make_case([120], [8], num_heads=2, num_kv_heads=1, head_size=64, block_size=4, seed=9, device=DEVICE)
+    kw = {"window_left": window}
+    ref, _ = _reference(case, kw, decode_op=False)
+    _poison_before_window(case, 0, 120 - 8 - window)
+    out = nan_like(case.query)
+    prefill.run_prefill(*case.prefill_args(out), {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+                        Variants(**kw))
+    assert_close(out, ref, F32)
+
+
+def test_window_splits_are_planned_over_the_window():
+    # A window of 64 keys in a table of 4096 tokens: the heuristic's splits cut the window, not
+    # the table (a split count from 4096 keys would make 64-key windows mostly empty partitions).
+    case = make_case([5], num_heads=4, num_kv_heads=1, head_size=64, block_size=16, seed=1, device=DEVICE)
+    table = torch.zeros(1, 256, dtype=torch.int32, device=DEVICE)
+    bound = decode.visible_bound(decode.max_len_bound(table, 16), Variants(window_left=63))
+    assert bound == 64
+    assert decode.visible_bound(decode.max_len_bound(table, 16), Variants(window_left=63), causal=False) == 4096
+    info = triton_backend.config_for("decode_attention", nan_like(case.query), case.query, case.key_cache,
+                                     case.value_cache, table, case.seq_lens, case.scale, None, None, 0.0, 63)
+    assert info["num_splits"] <= math.ceil(64 / info["BLOCK_N"])
+
+
+# ---------------------------------------------------------------------------------------------
+# batch-invariant mode
+
+BI_SPECS = ["", "softcap+window300+sinks+alibi"]
+
+
+@pytest.mark.parametrize("spec", BI_SPECS)
+def test_batch_invariant_decode_row_is_independent_of_the_batch(spec):
+    # One sequence of 600 tokens (3 partitions of 256) decoded alone and next to others: a longer
+    # one (wider table: more splits in the grid), short ones, a different batch size. Its row's
+    # out and lse must be bitwise the same.
+    kw = _on(_variant_args(spec, 4, seed=4), DEVICE)
+    lens = [600, 1200, 3, 77]
+    case = make_case(lens, num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=F16, seed=6,
+                     device=DEVICE)
+    out, lse = nan_like(case.query), _nan_lse(case)
+    triton_backend.decode_attention(*case.decode_args(out), lse=lse, batch_invariant=True, **kw)
+    ref, ref_lse = _reference(case, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
+                              decode_op=True)
+    assert_close(out, ref, F16)
+    assert_close(lse, ref_lse, F32)
+    for rows in ([0], [0, 2], [3, 0]):
+        sub = torch.tensor(rows, device=DEVICE)
+        width = max(math.ceil(lens[r] / 16) for r in rows) + 1  # the table as narrow as this batch allows
+        sub_out, sub_lse = nan_like(case.query[sub]), torch.full((len(rows), 4), float("nan"), device=DEVICE)
+        triton_backend.decode_attention(sub_out, case.query[sub], case.key_cache, case.value_cache,
+                                        case.block_tables[sub, :width].contiguous(), case.seq_lens[sub],
+                                        case.scale, None, None, lse=sub_lse, batch_invariant=True, **kw)
+        i = rows.index(0)
+        assert_bits_equal(sub_out[i], out[0], f"rows {rows}")
+        assert_bits_equal(sub_lse[i], lse[0], f"rows {rows}")
+
+
+@pytest.mark.parametrize("spec", BI_SPECS)
+def test_batch_invariant_prefill_rows_equal_decode(spec):
+    # Chunked prefill of a sequence with 560 cached tokens (rows at positions 560..565, 3
+    # partitions each), next to another sequence's whole prompt: each causal row at position p
+    # must give the bits of a decode of the first p + 1 tokens, out and lse.
+    kw = _on(_variant_args(spec, 4, seed=4), DEVICE)
+    case = make_case([566, 9], [6, 9], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=F16,
+                     seed=7, device=DEVICE)
+    out, lse = nan_like(case.query), _nan_lse(case)
+    triton_backend.prefill_attention(*case.prefill_args(out), lse=lse, batch_invariant=True, **kw)
+    ref, ref_lse = _reference(case, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
+                              decode_op=False)
+    assert_close(out, ref, F16)
+    assert_close(lse, ref_lse, F32)
+    # The same rows as decodes of sequence 0 cut at p + 1 tokens, all in one decode batch.
+    positions = list(range(560, 566))
+    rows = torch.tensor(positions, device=DEVICE) - 560
+    dec_out, dec_lse = nan_like(case.query[rows]), torch.full((len(positions), 4), float("nan"), device=DEVICE)
+    tables = case.block_tables[[0] * len(positions)].contiguous()
+    seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=DEVICE)
+    triton_backend.decode_attention(dec_out, case.query[rows], case.key_cache, case.value_cache, tables, seq_lens,
+                                    case.scale, None, None, lse=dec_lse, batch_invariant=True, **kw)
+    assert_bits_equal(dec_out, out[:6])
+    assert_bits_equal(dec_lse, lse[:6])
+
+
+def test_batch_invariant_uses_a_fixed_config_and_split_size(monkeypatch):
+    # A tuned (stored) config must not reach the mode: the lookup is never consulted.
+    def no_tuner(*args, **kwargs):
+        raise AssertionError("the batch-invariant mode consulted the tuner")
+    monkeypatch.setattr(autotune.TUNERS["decode_attention"], "choose", no_tuner)
+    monkeypatch.setattr(autotune.TUNERS["prefill_attention"], "choose", no_tuner)
+    case = make_case([20], [3], num_heads=2, num_kv_heads=1, head_size=64, block_size=16, seed=1, device=DEVICE)
+    out = nan_like(case.query)
+    triton_backend.prefill_attention(*case.prefill_args(out), batch_invariant=True)
+    assert_close(out, case.reference_prefill(), F32)
+    assert decode.BATCH_INVARIANT_PARTITION % decode.default_config(64, F16)["BLOCK_N"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# merge_attention_states
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+def test_merge_attention_states_matches_reference(dtype):
+    # Head size 40 (a padded tile), 5 heads (a partial head block), strided outputs; lses with
+    # -inf on one side, on both, +inf and NaN, which must give the reference's NaN pattern.
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 7, 5, 40
+    prefix = torch.randn(T, H, D, generator=g).to(dtype).to(DEVICE)
+    suffix = torch.randn(T, H + 1, D, generator=g).to(dtype).to(DEVICE)[:, :H]  # head stride != D * H
+    a, b = torch.randn(T, H, generator=g) * 3, torch.randn(T, H, generator=g) * 3
+    a[0, 0] = -math.inf
+    b[1, 1] = -math.inf
+    a[2, 2] = b[2, 2] = -math.inf
+    a[3, 3] = math.inf
+    b[4, 4] = math.nan
+    a, b = a.to(DEVICE), b.to(DEVICE)
+    out = poison(torch.empty(T, H, 2 * D, dtype=dtype, device=DEVICE))[..., :D]
+    out_lse = torch.full((T, H), math.nan, device=DEVICE)
+    triton_backend.merge_attention_states(out, out_lse, prefix, a, suffix, b)
+    ref = torch.empty(T, H, D, dtype=torch.float64)
+    ref_lse = torch.empty(T, H, dtype=torch.float64)
+    reference.merge_attention_states(ref, ref_lse, prefix.cpu(), a.cpu(), suffix.cpu(), b.cpu())
+    out, out_lse = out.cpu(), out_lse.cpu()
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out_lse.isnan(), ref_lse.isnan())
+    assert torch.equal(out_lse == -math.inf, ref_lse == -math.inf)
+    finite = ~ref.isnan()
+    assert_close(out[finite], ref[finite], dtype)
+    finite = ref_lse.isfinite()
+    assert_close(out_lse[finite], ref_lse[finite], F32)
+    # Without out_lse: the same out.
+    out2 = nan_like(prefix)
+    triton_backend.merge_attention_states(out2, None, prefix, a, suffix, b)
+    assert_bits_equal(out2.cpu(), out)
+
+
+def test_cascade_prefix_then_suffix_merges_to_full_attention():
+    # Shared-prefix attention: 6 query rows at the end of 50 tokens, over the first 36 keys
+    # (causal=False: every prefix key precedes the rows) and over the last 14 (causal, the same
+    # table from block 9 on: 36 is a block boundary), merged by their lses, equal attention over
+    # all 50 keys.
+    case = make_case([50], [6], num_heads=4, num_kv_heads=2, head_size=64, block_size=4, seed=12, device=DEVICE)
+    prefix_len = 36
+    cfg = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    parts = []
+    for table, length, causal in ((case.block_tables, prefix_len, False),
+                                  (case.block_tables[:, prefix_len // 4:].contiguous(), 50 - prefix_len, True)):
+        part_out, part_lse = nan_like(case.query), _nan_lse(case)
+        prefill.run_prefill(part_out, case.query, case.key_cache, case.value_cache, table, case.cu_seqlens_q,
+                            torch.tensor([length], dtype=torch.int32, device=DEVICE), 6, case.scale, causal, None,
+                            None, cfg, Variants(lse=part_lse))
+        parts += [part_out, part_lse]
+    out = nan_like(case.query)
+    triton_backend.merge_attention_states(out, None, *parts)
+    assert_close(out, case.reference_prefill(), F32)

@@ -88,3 +88,69 @@ def test_engine_like_run_compiles_few_variants():
         print(json.dumps({name: len(k) for name, k in keys.items()}))
     """, timeout=600)
     assert counts == {"decode": 2, "decode_reduce": 1, "prefill": 1}, counts
+
+
+def test_variant_compile_matrix_sm80_sm90_no_spills():
+    # The attention variants (issue #13) are constexpr flags: a covering subset of them
+    # (aot.variant_matrix_launches: every flag at once over dtypes x {same, e4m3fn} x heads, each
+    # flag alone, the batch-invariant row-wise path) compiles for sm_80 and sm_90 within shared
+    # memory and without spills.
+    start = time.monotonic()
+    rows = _run("""
+        import json
+        from paged_ops.triton import aot
+        print(json.dumps(aot.compile_matrix(archs=(80, 90), variants=True)))
+    """, timeout=3000)
+    elapsed = time.monotonic() - start
+    from paged_ops.triton.aot import SMEM_LIMIT
+    kernels = {r["kernel"] for r in rows}
+    assert kernels == {"decode", "decode_reduce", "prefill"}, kernels
+    assert {r["variants"] for r in rows} == {"all", "softcap", "window", "sinks", "alibi", "lse"}
+    bad = [r for r in rows if "error" in r or r["spills"] or not 0 <= r["shared"] <= SMEM_LIMIT[r["arch"]]]
+    assert not bad, json.dumps(bad, indent=1)[:6000]
+    print(f"variant compile matrix: {len(rows)} distinct compiles in {elapsed:.0f} s, "
+          f"max registers {max(r['registers'] for r in rows)}")
+
+
+def test_variant_values_and_batch_invariant_paths_compile_few_variants():
+    # Variant values are runtime arguments: other windows (1, 16, 4096: values Triton would
+    # specialize), other caps, other batches compile nothing new; each set of flags is one
+    # variant per kernel as for the plain call. The batch-invariant mode's decode and prefill
+    # launch the very same specialization of the decode kernel and its reduce (one compiled
+    # code path: a decode row and a causal prefill row at the same position get the same bits).
+    counts = _run("""
+        import json, torch
+        from paged_ops.triton import aot, _common
+        from paged_ops.triton import decode as decode_module
+        keys = {}
+        original = aot._variants
+        for window in (1, 16, 100, 4095):
+            for cap in (30.0, 50.0):
+                def variants(spec, num_heads, window=window, cap=cap):
+                    v = original(spec, num_heads)
+                    return _common.Variants(cap, window, v.sinks, v.alibi_slopes, v.lse)
+                aot._variants = variants
+                for num_seqs, seq_len, width in ((1, 17, 2), (2, 300, 32), (16, 1024, 64), (1, 70000, 4400),
+                                                  (64, 4000, 256)):
+                    launches = [("", l) for l in aot.decode_launches(torch.float16, torch.float16, 128, num_seqs,
+                                                                     seq_len, width, variants="all")]
+                    q_lens = [max(1, seq_len // (i + 2)) for i in range(num_seqs)][:4]
+                    launches += [("", l) for l in aot.prefill_launches(torch.float16, torch.float16, 128, q_lens,
+                                                                      [seq_len] * len(q_lens), width, variants="all")]
+                    launches += [("bi-decode ", l) for l in aot.decode_launches(
+                        torch.float16, torch.float16, 128, num_seqs, seq_len, width, variants="all",
+                        batch_invariant=True)]
+                    launches += [("bi-prefill ", l) for l in aot.prefill_launches(
+                        torch.float16, torch.float16, 128, q_lens, [seq_len] * len(q_lens), width, variants="all",
+                        batch_invariant=True)]
+                    for tag, launch in launches:
+                        key = aot.specialize(launch, 90)[0]
+                        keys.setdefault(tag + launch.name, set()).add(key)
+        result = {name: len(k) for name, k in keys.items()}
+        result["bi shared"] = (keys["bi-decode decode"] == keys["bi-prefill decode"]
+                               and keys["bi-decode decode_reduce"] == keys["bi-prefill decode_reduce"])
+        print(json.dumps(result))
+    """, timeout=600)
+    assert counts == {"decode": 2, "decode_reduce": 1, "prefill": 1, "bi-decode decode": 1,
+                      "bi-decode decode_reduce": 1, "bi-prefill decode": 1, "bi-prefill decode_reduce": 1,
+                      "bi shared": True}, counts

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -155,3 +156,44 @@ def head_pad(head_size: int) -> int:
 def device_guard(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensors' device."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
+
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class Variants:
+    """The attention variants of one decode/prefill call (paged_ops.reference.attention defines
+    them), as the attention kernels take them: constexpr flags, so the default call compiles to
+    the plain kernel, and runtime values (softcap, window_left), so new values never recompile."""
+    softcap: float = 0.0
+    window_left: int = -1
+    sinks: torch.Tensor | None = None
+    alibi_slopes: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+
+    @property
+    def has_window(self) -> bool:
+        return self.window_left >= 0
+
+    def flags(self) -> dict:
+        """The kernels' constexpr flags."""
+        return {"HAS_SOFTCAP": self.softcap > 0, "HAS_WINDOW": self.has_window, "HAS_SINKS": self.sinks is not None,
+                "HAS_ALIBI": self.alibi_slopes is not None, "WRITE_LSE": self.lse is not None}
+
+    def values(self) -> tuple[float, int]:
+        """(softcap_log2, window_left) runtime arguments: the cap in base-2 logits (1.0 when
+        unused, never read), the window (0 when unused, never read)."""
+        return (self.softcap * LOG2E if self.softcap > 0 else 1.0), max(int(self.window_left), 0)
+
+    def pointers(self, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(sinks, alibi_slopes, lse); ``dummy`` (never dereferenced) for the absent ones."""
+        return tuple(dummy if t is None else t for t in (self.sinks, self.alibi_slopes, self.lse))
+
+    def key(self) -> tuple:
+        """Part of a tuning key: which variants are on (the window by its size bucket, it bounds
+        the keys a row reads); () for a plain call, so plain calls keep their stored configs."""
+        flags = self.flags()
+        if not any(flags.values()):
+            return ()
+        return (tuple(k for k, on in flags.items() if on), next_pow2(self.window_left + 1) if self.has_window else 0)

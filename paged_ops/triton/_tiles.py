@@ -74,22 +74,66 @@ def round_to_bf16(x):
 
 
 @triton.jit
-def online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
-                        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        ROUND_BF16: tl.constexpr):
-    """One flash-attention step over a KV tile, in base 2.
+def tanh(x):
+    """tanh of fp32 ``x`` to a few ulps, the same code compiled and interpreted (libdevice's tanh
+    does not run under the interpreter).
 
-    q: [BLOCK_M, HEAD_PAD], k/v: [BLOCK_N, HEAD_PAD], s_mask: [BLOCK_M, BLOCK_N] (visible);
-    m_i, l_i: [BLOCK_M] running max / sum; acc: [BLOCK_M, HEAD_PAD] fp32. ROUND_BF16: see
-    round_to_bf16 (True only under the interpreter for bf16 queries).
-    Every row must see at least one position in its first tile so m_i is finite after it:
-    then hidden positions get p = exp2(-inf) = 0 exactly, and v is 0 (not NaN) there.
+    |x| < 0.55: the odd Taylor series through x^17 (its next term is < 1e-7 of the value there);
+    else (1 - e^-2|x|) / (1 + e^-2|x|), which has no cancellation once e^-2|x| <= 1/3. The
+    exponential form alone would lose up to ~1e-7 absolute near 0, i.e. softcap * 1e-7 in a
+    capped logit: a visible share of the fp32 budget at Gemma 2's cap of 50.
+    """
+    x2 = x * x
+    poly = -929569.0 / 638512875.0 + x2 * (6404582.0 / 10854718875.0)
+    poly = 21844.0 / 6081075.0 + x2 * poly
+    poly = -1382.0 / 155925.0 + x2 * poly
+    poly = 62.0 / 2835.0 + x2 * poly
+    poly = -17.0 / 315.0 + x2 * poly
+    poly = 2.0 / 15.0 + x2 * poly
+    poly = -1.0 / 3.0 + x2 * poly
+    poly = x + x * x2 * poly
+    t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # e^(-2|x|): -2 / ln 2
+    far = (1.0 - t) / (1.0 + t)
+    far = tl.where(x < 0, -far, far)
+    return tl.where(tl.abs(x) < 0.55, poly, far)
+
+
+@triton.jit
+def score_tile(q, k, qk_scale, softcap_log2, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """Scores of a tile in base 2 (natural score * log2(e)): [BLOCK_M, BLOCK_N].
+
+    q: [BLOCK_M, HEAD_PAD], k: [BLOCK_N, HEAD_PAD]; qk_scale = scale * k_scale * log2(e).
+    HAS_SOFTCAP: s = c * tanh(s / c) with c = softcap * log2(e), which is the natural-log cap
+    softcap * tanh(s / softcap) times log2(e).
     """
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if HAS_SOFTCAP:
+        s = softcap_log2 * tanh(s * (1.0 / softcap_log2))
+    return s
+
+
+@triton.jit
+def online_softmax_step(s, s_mask, v, m_i, l_i, acc,
+                        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        ROUND_BF16: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
+    """One flash-attention step over a KV tile, in base 2.
+
+    s: [BLOCK_M, BLOCK_N] base-2 scores (score_tile, plus any bias), s_mask: [BLOCK_M, BLOCK_N]
+    (visible); v: [BLOCK_N, HEAD_PAD]; m_i, l_i: [BLOCK_M] running max / sum; acc: [BLOCK_M,
+    HEAD_PAD] fp32. ROUND_BF16: see round_to_bf16 (True only under the interpreter for bf16
+    queries). Without MAY_BE_EMPTY every row must see at least one position in its first tile so
+    m_i is finite after it: then hidden positions get p = exp2(-inf) = 0 exactly, and v is 0 (not
+    NaN) there. MAY_BE_EMPTY (sliding windows: a row's window may start tiles after its tile's
+    first row's) subtracts 0 instead of a still -inf max, so such rows keep m -inf, l 0, acc 0.
+    """
     s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if MAY_BE_EMPTY:
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_sub = m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if ROUND_BF16:  # interpreter, bf16 query: the GPU's bf16 P operand
         p_op = round_to_bf16(p)
@@ -97,6 +141,23 @@ def online_softmax_step(q, k, v, s_mask, m_i, l_i, acc, qk_scale,
         p_op = p.to(COMPUTE_DTYPE)
     acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def finish_rows(m_i, l_i, sink_log2, HAS_SINKS: tl.constexpr):
+    """(alpha, denominator, lse in base 2) that end rows: out = acc * alpha / denominator.
+
+    m_i, l_i, sink_log2: [BLOCK_M]. HAS_SINKS: the sink (a logit with no value, base 2) joins the
+    denominator once, relative to the larger of it and the running max. Without sinks alpha is
+    1.0, so the default path's out is acc * (v_scale / l_i), bit for bit as before the variants.
+    """
+    if HAS_SINKS:
+        m = tl.maximum(m_i, sink_log2)
+        alpha = tl.exp2(m_i - m)
+        total = l_i * alpha + tl.exp2(sink_log2 - m)
+        return alpha, total, m + tl.log2(total)
+    else:
+        return 1.0, l_i, m_i + tl.log2(l_i)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -32,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from ._common import INTERPRET
+from ._common import INTERPRET, Variants
 from . import cache, decode, fp8, prefill
 
 # Shared memory per block on the architectures we care about (opt-in maximum).
@@ -145,10 +146,21 @@ def _scales(cache_dtype):
     return None, None
 
 
+def _variants(spec: str, num_heads: int):
+    """A _common.Variants from a '+'-joined spec of softcap, window, sinks, alibi, lse ('' or
+    'all' for none / every one); the window is 4096 keys, the tensors are small CPU tensors."""
+    parts = {"softcap", "window", "sinks", "alibi", "lse"} if spec == "all" else set(filter(None, spec.split("+")))
+    heads = torch.zeros(num_heads)
+    return Variants(softcap=30.0 if "softcap" in parts else 0.0, window_left=4095 if "window" in parts else -1,
+                    sinks=heads if "sinks" in parts else None, alibi_slopes=heads if "alibi" in parts else None,
+                    lse=None)  # lse: a tensor of the call's rows, made by the launch helpers
+
+
 def decode_launches(dtype, cache_dtype, head_size, num_seqs, seq_len, table_width=None,
-                    config=None, sms=132) -> list[Launch]:
+                    config=None, sms=132, variants: str = "", batch_invariant: bool = False) -> list[Launch]:
     """Launches of one decode_attention call (default config unless ``config``): the split
-    heuristic sees ``sms`` SMs, so small batches record the split kernel and the reduce."""
+    heuristic sees ``sms`` SMs, so small batches record the split kernel and the reduce.
+    ``variants``: see _variants; ``batch_invariant``: the row-wise path (decode.run_rows)."""
     # Nothing runs: a few blocks suffice, the table width alone sets the length bound.
     width = table_width or -(-seq_len // BLOCK_SIZE)
     kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
@@ -156,25 +168,41 @@ def decode_launches(dtype, cache_dtype, head_size, num_seqs, seq_len, table_widt
     table = torch.zeros(num_seqs, width, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
     k_scale, v_scale = _scales(cache_dtype)
-    config = config or decode.default_config(head_size, dtype, cache_dtype)
+    v = _with_lse(_variants(variants, q.shape[1]), variants, q)
     with record_launches(sms) as launches:
-        decode.run_decode(torch.empty_like(q), q, kc, vc, table, seq_lens, head_size ** -0.5,
-                          k_scale, v_scale, config)
+        if batch_invariant:
+            decode.run_rows(torch.empty_like(q), q, kc, vc, table, seq_lens,
+                            torch.arange(num_seqs + 1, dtype=torch.int32), True, head_size ** -0.5, k_scale, v_scale,
+                            v, config)
+        else:
+            decode.run_decode(torch.empty_like(q), q, kc, vc, table, seq_lens, head_size ** -0.5, k_scale, v_scale,
+                              config or decode.default_config(head_size, dtype, cache_dtype), variants=v)
     return launches
 
 
+def _with_lse(v: Variants, spec: str, q: torch.Tensor) -> Variants:
+    if spec == "all" or "lse" in spec.split("+"):
+        return dataclasses.replace(v, lse=torch.zeros(q.shape[0], q.shape[1]))
+    return v
+
+
 def prefill_launches(dtype, cache_dtype, head_size, q_lens, seq_lens, table_width=None, config=None,
-                     causal=True) -> list[Launch]:
+                     causal=True, variants: str = "", batch_invariant: bool = False) -> list[Launch]:
     width = table_width or -(-max(seq_lens) // BLOCK_SIZE)
     kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
     q = torch.zeros(sum(q_lens), NUM_KV_HEADS * GROUP, head_size, dtype=dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     k_scale, v_scale = _scales(cache_dtype)
-    config = config or prefill.default_config(head_size, dtype, cache_dtype)
+    v = _with_lse(_variants(variants, q.shape[1]), variants, q)
+    table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     with record_launches() as launches:
-        prefill.run_prefill(torch.empty_like(q), q, kc, vc, torch.zeros(len(seq_lens), width, dtype=torch.int32),
-                            cu, torch.tensor(seq_lens, dtype=torch.int32), max(q_lens), head_size ** -0.5,
-                            causal, k_scale, v_scale, config)
+        if batch_invariant:
+            decode.run_rows(torch.empty_like(q), q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), cu,
+                            causal, head_size ** -0.5, k_scale, v_scale, v)
+        else:
+            prefill.run_prefill(torch.empty_like(q), q, kc, vc, table, cu, torch.tensor(seq_lens, dtype=torch.int32),
+                                max(q_lens), head_size ** -0.5, causal, k_scale, v_scale,
+                                config or prefill.default_config(head_size, dtype, cache_dtype), v)
     return launches
 
 
@@ -212,6 +240,38 @@ def matrix_launches(dtypes=(torch.float32, torch.float16, torch.bfloat16),
     return rows
 
 
+def variant_matrix_launches() -> list[tuple[dict, Launch]]:
+    """A covering subset of the attention variants (constexpr flags) for the compile matrix:
+    every variant at once (the most registers) over query dtype x {same, e4m3fn} cache x head
+    {64, 128, 256}, plus head 72 (unaligned rows); each variant alone at fp16 / head 128; and
+    the batch-invariant row-wise path (decode kernel over prefill rows, always split + reduce)
+    with every variant, for fp16/bf16/fp32 at heads 64, 128, 256."""
+    rows = []
+
+    def add(dtype, cache_dtype, head_size, spec, bi_only=False):
+        case = {"dtype": str(dtype), "cache": str(cache_dtype), "head_size": head_size,
+                "variants": spec or "none", "batch_invariant": bi_only}
+        if bi_only:
+            launches = prefill_launches(dtype, cache_dtype, head_size, [1, 70, 5], [40, 300, 5], variants=spec,
+                                        batch_invariant=True)
+        else:
+            launches = (decode_launches(dtype, cache_dtype, head_size, num_seqs=1, seq_len=1 << 17, variants=spec)
+                        + decode_launches(dtype, cache_dtype, head_size, num_seqs=256, seq_len=64, variants=spec)
+                        + prefill_launches(dtype, cache_dtype, head_size, [1, 70, 5], [40, 300, 5], variants=spec))
+        rows.extend((case, launch) for launch in launches)
+
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for cache_dtype in (dtype, torch.float8_e4m3fn):
+            for head_size in (64, 128, 256):
+                add(dtype, cache_dtype, head_size, "all")
+        for head_size in (64, 128, 256):
+            add(dtype, dtype, head_size, "all", bi_only=True)
+    add(torch.float16, torch.float16, 72, "all")
+    for spec in ("softcap", "window", "sinks", "alibi", "lse"):
+        add(torch.float16, torch.float16, 128, spec)
+    return rows
+
+
 def distinct_specializations(rows, arch: int) -> dict:
     """{JIT key: (case, launch)}: each distinct specialization once (many cases share one)."""
     out = {}
@@ -232,9 +292,10 @@ def _compile_row(index: int) -> dict:
     return {"arch": arch, "kernel": launch.name, **case, **usage}
 
 
-def compile_matrix(archs=(80, 90), workers: int | None = None, **matrix) -> list[dict]:
-    """Compile every distinct specialization of the matrix for every arch, in parallel processes."""
-    rows = matrix_launches(**matrix)
+def compile_matrix(archs=(80, 90), workers: int | None = None, variants: bool = False, **matrix) -> list[dict]:
+    """Compile every distinct specialization of the matrix (``variants``: variant_matrix_launches
+    instead) for every arch, in parallel processes."""
+    rows = variant_matrix_launches() if variants else matrix_launches(**matrix)
     items = [(arch, case, launch) for arch in archs
              for case, launch in distinct_specializations(rows, arch).values()]
     _ITEMS[:] = items

@@ -5,6 +5,12 @@ query heads are packed into the M dimension of ``tl.dot`` (padded to >= 16) so e
 is loaded once per group instead of once per query head. When seqs x kv_heads cannot fill
 the GPU, each sequence's KV is cut into ``num_splits`` partitions processed by different
 programs; a second kernel merges the partial results by their log-sum-exp.
+
+Variants (constexpr flags, see _common.Variants): soft-cap and ALiBi on the scores, a sliding
+window (partitions cover the window only: keys before it are never read), sinks (one more logit
+in the denominator, added once: at the row's end, or in the reduce when split), the lse output.
+The batch-invariant mode (run_rows) runs decode and prefill rows alike through this kernel with
+VARLEN_ROWS: fixed-size partitions from each row's first visible key, always reduced.
 """
 from __future__ import annotations
 
@@ -17,40 +23,93 @@ import triton.language as tl
 from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, is_fp8, kv_view, next_pow2, num_sms, round_bf16, row_align, scale_arg,
-                      tl_dtype)
-from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step, store_rows
+                      tl_dtype, Variants)
+from ._tiles import (finish_rows, load_kv_tile, load_scale, locate_tokens, online_softmax_step, score_tile,
+                     store_rows)
 
 _LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(_LOG2E)
+LN2 = tl.constexpr(0.6931471805599453)
+PLAIN = Variants()  # no variant: the plain kernel
+
+
+@triton.jit
+def _find_row_sequence(cu_seqlens_q_ptr, num_seqs, row):
+    """The sequence owning query row ``row``: the last s with cu_seqlens_q[s] <= row (sequences
+    with no query rows share their cu value with the next one and are skipped)."""
+    lo = 0
+    hi = num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(cu_seqlens_q_ptr + mid) <= row:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+@triton.jit
+def _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
+                VARLEN_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """(sequence, position p, first visible key, end of visible keys) of query row ``row``.
+
+    Decode (VARLEN_ROWS False): row = sequence, p = seq_len - 1. VARLEN_ROWS (batch-invariant
+    mode, decode and prefill alike): rows are prefill rows, p = seq_len - q_len + i; a causal row
+    at p sees keys < p + 1, which makes it the decode of a sequence of p + 1 tokens, bit for bit.
+    A window starts the keys at p - window_left. Every row sees at least key p.
+    """
+    if VARLEN_ROWS:
+        seq = _find_row_sequence(cu_seqlens_q_ptr, num_seqs, row).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        pos = seq_len - (tl.load(cu_seqlens_q_ptr + seq + 1) - row)
+        kv_hi = tl.where(causal != 0, pos + 1, seq_len)
+    else:
+        seq = row
+        seq_len = tl.load(seq_lens_ptr + seq)
+        pos = seq_len - 1
+        kv_hi = seq_len
+    if HAS_WINDOW:
+        kv_lo = tl.maximum(pos - window_left, 0)
+    else:
+        kv_lo = 0
+    return seq, pos, kv_lo, kv_hi
 
 
 # Arguments that change from step to step of a serving engine are not specialized: Triton
 # would otherwise compile a variant for each value that is 1 or a multiple of 16 (the table
 # width, the split count and the partition size all change with the batch's longest sequence),
-# i.e. compile stalls mid-serving and compiles during CUDA-graph capture.
-@triton.jit(do_not_specialize=["partition_size", "num_splits", "block_table_stride"])
+# i.e. compile stalls mid-serving and compiles during CUDA-graph capture. The same holds for
+# the batch size, the window and the causal flag (0 or 1) of the row-wise (batch-invariant) mode.
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "block_table_stride", "num_seqs", "row_offset",
+                               "causal", "window_left"])
 def _decode_kernel(
-        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-        k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr,
-        qk_scale_log2, partition_size, num_splits,
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+        k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, alibi_slopes_ptr, lse_ptr,
+        qk_scale_log2, softcap_log2, window_left, partition_size, num_splits, num_seqs, row_offset, causal,
         q_stride_token, q_stride_head, o_stride_token, o_stride_head,
         k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
         block_table_stride,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
         K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-        ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr,
+        ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr, VARLEN_ROWS: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        WRITE_LSE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Shapes are constexpr: masks against HEAD_SIZE then have compile-time constancy, which
     # is what lets Triton vectorize the K/V row loads.
-    seq = tl.program_id(0).to(tl.int64)
+    local_row = tl.program_id(0).to(tl.int64)  # row within this launch (the partials' index)
+    row = row_offset + local_row  # query row: a sequence (decode) or a prefill row (VARLEN_ROWS)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP_SIZE
-    seq_len = tl.load(seq_lens_ptr + seq)
-    start = split * partition_size
-    if start >= seq_len:  # partition past this sequence's end: the reducer never reads it
+    seq, pos_q, kv_lo, kv_hi = _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
+                                           VARLEN_ROWS, HAS_WINDOW)
+    # Partitions cover the visible keys only: a window skips every block before it.
+    start = kv_lo + split * partition_size
+    if start >= kv_hi:  # partition past this row's keys: the reducer never reads it
         return
-    end = tl.minimum(start + partition_size, seq_len)
+    end = tl.minimum(start + partition_size, kv_hi)
 
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < GROUP_SIZE
@@ -60,11 +119,13 @@ def _decode_kernel(
     dim_mask = dims < HEAD_SIZE
 
     # q: [BLOCK_M, HEAD_PAD]; padded rows are 0 and simply never stored.
-    q_rows = tl.multiple_of(seq * q_stride_token + heads * q_stride_head, ROW_ALIGN)
+    q_rows = tl.multiple_of(row * q_stride_token + heads * q_stride_head, ROW_ALIGN)
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
     # fp8 caches: k_scale folds into the score scale, v_scale into the final output.
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
+    if HAS_ALIBI:  # slope * (j - p) in base 2: [BLOCK_M]
+        alibi = tl.load(alibi_slopes_ptr + heads, mask=row_mask, other=0.0) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -78,40 +139,65 @@ def _decode_kernel(
                          k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
                          v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], m_i, l_i, acc, qk_scale,
-                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16)
+        s = score_tile(q, k, qk_scale, softcap_log2, DOT_PRECISION, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s += alibi[:, None] * (pos - pos_q).to(tl.float32)[None, :]
+        # Every position of [start, end) is visible to the row: its first tile is never empty.
+        m_i, l_i, acc = online_softmax_step(s, valid[None, :], v, m_i, l_i, acc,
+                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, False)
 
-    out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
     out_mask = row_mask[:, None] & dim_mask[None, :]
     if SPLIT:
-        # part_out: [num_seqs, num_heads, num_splits, head_size] fp32; part_lse: [.., num_splits]
-        part = (seq * num_heads + heads) * num_splits + split
+        # part_out: [rows, num_heads, num_splits, head_size] fp32; part_lse: [.., num_splits]. The
+        # sink joins once, in the reduce.
+        out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+        part = (local_row * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        out_rows = tl.multiple_of(seq * o_stride_token + heads * o_stride_head, ROW_ALIGN)
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
+        else:
+            sink = 0.0
+        alpha, total, lse2 = finish_rows(m_i, l_i, sink, HAS_SINKS)
+        if HAS_SINKS:
+            out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) * alpha / total)[:, None]
+        else:
+            out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+        out_rows = tl.multiple_of(row * o_stride_token + heads * o_stride_head, ROW_ALIGN)
         store_rows(out_ptr + out_rows[:, None] + dims[None, :], out, out_mask, ROUND_BF16)
+        if WRITE_LSE:  # lse: [rows, num_heads] float32, natural log
+            tl.store(lse_ptr + row * num_heads + heads, lse2 * LN2, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["partition_size", "num_splits"])
-def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
-                          partition_size, num_splits, o_stride_token, o_stride_head,
-                          HEAD_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "num_seqs", "row_offset", "causal", "window_left"])
+def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_seqlens_q_ptr, sinks_ptr, lse_ptr,
+                          window_left, partition_size, num_splits, num_seqs, row_offset, causal,
+                          o_stride_token, o_stride_head,
+                          HEAD_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr, VARLEN_ROWS: tl.constexpr,
+                          HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
                           SPLIT_CHUNK: tl.constexpr, HEAD_PAD: tl.constexpr):
-    # Grid: (seq, head). Merge the partitions that hold tokens, weighted by exp2(lse - max).
+    # Grid: (row, head). Merge the partitions that hold tokens, weighted by exp2(lse - max), in
+    # one fixed order for a row (its partition count depends on the row alone).
     # SPLIT_CHUNK partitions at a time: batch-1 long-context decode uses hundreds of splits,
     # and holding them all ([splits, HEAD_PAD] fp32) spills registers.
-    seq = tl.program_id(0).to(tl.int64)
+    local_row = tl.program_id(0).to(tl.int64)
+    row = row_offset + local_row
     head = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1)
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
-    first = (seq * num_heads + head) * num_splits  # part_lse / part_out row of split 0
+    _, _, kv_lo, kv_hi = _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
+                                     VARLEN_ROWS, HAS_WINDOW)
+    num_parts = tl.cdiv(kv_hi - kv_lo, partition_size)
+    first = (local_row * num_heads + head) * num_splits  # part_lse / part_out row of split 0
     chunk = tl.arange(0, SPLIT_CHUNK)
     lse_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
     for c in range(0, num_parts, SPLIT_CHUNK):
         lse = tl.load(part_lse_ptr + first + c + chunk, mask=c + chunk < num_parts, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
     m = tl.max(lse_max, 0)
+    if HAS_SINKS:  # the sink (base 2) joins the denominator once, here
+        sink = tl.load(sinks_ptr + head) * LOG2E
+        m = tl.maximum(m, sink)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE
     weight_sum = tl.zeros([SPLIT_CHUNK], tl.float32)
@@ -124,8 +210,13 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr,
         parts = tl.load(part_out_ptr + splits[:, None] * HEAD_SIZE + dims[None, :],
                         mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
         acc += tl.sum(parts * w[:, None], 0)
-    store_rows(out_ptr + seq * o_stride_token + head * o_stride_head + dims, acc / tl.sum(weight_sum, 0), dim_mask,
+    total = tl.sum(weight_sum, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m)
+    store_rows(out_ptr + row * o_stride_token + head * o_stride_head + dims, acc / total, dim_mask,
                ROUND_BF16)
+    if WRITE_LSE:
+        tl.store(lse_ptr + row * num_heads + head, (m + tl.log2(total)) * LN2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,13 +274,20 @@ def partition_for(max_len: int, num_splits: int, block_n: int) -> tuple[int, int
     return partition, math.ceil(max_len / partition)
 
 
-def tuning_key(query, key_cache, block_tables) -> tuple:
+def visible_bound(max_len: int, variants: Variants, causal: bool = True) -> int:
+    """Upper bound on the keys one row reads: a causal window holds window_left + 1 keys at most."""
+    if variants.has_window and causal:
+        return max(1, min(max_len, variants.window_left + 1))
+    return max_len
+
+
+def tuning_key(query, key_cache, block_tables, variants: Variants = PLAIN) -> tuple:
     num_seqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = max_len_bound(block_tables, block_size)
     return (block_size, head_size, num_heads, num_kv_heads, next_pow2(max_len),
             next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype),
-            autotune.cache_layout(key_cache))
+            autotune.cache_layout(key_cache)) + variants.key()
 
 
 def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
@@ -204,81 +302,139 @@ def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                      k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None,
                      alibi_slopes=None, lse=None, batch_invariant=False) -> None:
-    """out[s] = softmax(scale * q[s] K_s^T) V_s over the first seq_lens[s] cached tokens.
+    """out[s] = softmax(scale * q[s] K_s^T) V_s over the first seq_lens[s] cached tokens, with the
+    variants of paged_ops.reference.attention.
 
     out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads,
-    head_size] (any strides); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
+    head_size] (any strides); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
+    lse: [num_seqs, num_heads] float32. batch_invariant: the row-wise path (run_rows) that prefill
+    rows take too, with a fixed config and split size.
     """
-    # TODO(#13, triton): the variants in the kernels; until then only the plain call runs here.
-    if softcap or window_left >= 0 or sinks is not None or alibi_slopes is not None or lse is not None or batch_invariant:
-        raise NotImplementedError("paged_triton: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant "
-                                  "not yet implemented")
-    key = tuning_key(query, key_cache, block_tables)
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
+    if batch_invariant:
+        # Sequence s is query row s: cu_seqlens_q = 0, 1, ..., num_seqs (built on the device, no sync).
+        rows = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
+        run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, rows, True, scale, k_scale, v_scale,
+                 variants)
+        return
+    key = tuning_key(query, key_cache, block_tables, variants)
 
     def bench(config):
         return autotune.benchmark_ms(lambda: run_decode(
-            out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config))
+            out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config,
+            variants=variants))
 
     head_size, dtype = query.shape[2], query.dtype
     config = autotune.TUNERS["decode_attention"].choose(
         device_name(query.device), key, default_config(head_size, dtype, key_cache.dtype),
         _candidates(head_size, dtype), bench)
-    run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config)
+    run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config,
+               variants=variants)
 
 
 def config_for(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-               k_scale=None, v_scale=None) -> dict:
+               k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None, alibi_slopes=None, lse=None,
+               batch_invariant=False) -> dict:
     """The config a decode_attention call with these arguments would use, plus its split
     count (``num_splits``); runs and benchmarks nothing."""
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
     head_size, dtype = query.shape[2], query.dtype
-    config = autotune.TUNERS["decode_attention"].lookup(
-        device_name(query.device), tuning_key(query, key_cache, block_tables)) or default_config(
-            head_size, dtype, key_cache.dtype)
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
-    max_len = max_len_bound(block_tables, block_size)
+    if batch_invariant:
+        config = default_config(head_size, dtype, key_cache.dtype)
+        bound = visible_bound(max_len_bound(block_tables, block_size), variants)
+        return dict(config, num_splits=math.ceil(bound / BATCH_INVARIANT_PARTITION))
+    config = autotune.TUNERS["decode_attention"].lookup(
+        device_name(query.device), tuning_key(query, key_cache, block_tables, variants)) or default_config(
+            head_size, dtype, key_cache.dtype)
+    max_len = visible_bound(max_len_bound(block_tables, block_size), variants)
     splits = choose_num_splits(query.shape[0], num_kv_heads, max_len, config["BLOCK_N"],
                                num_sms(query.device), config.get("split_scale", 1.0))
     return dict(config, num_splits=partition_for(max_len, splits, config["BLOCK_N"])[1])
 
 
 def run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
-               k_scale, v_scale, config: dict, num_splits: int | None = None) -> int:
+               k_scale, v_scale, config: dict, num_splits: int | None = None, variants: Variants = PLAIN) -> int:
     """Launch with an explicit config; ``num_splits`` forces the split count. Returns the split count used."""
     num_seqs = query.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     block_n = config["BLOCK_N"]
-    max_len = max_len_bound(block_tables, block_size)
+    # Splits are planned over the keys a row can see: with a window, that is the window.
+    max_len = visible_bound(max_len_bound(block_tables, block_size), variants)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, block_n,
                                        num_sms(query.device), config.get("split_scale", 1.0))
     partition, num_splits = partition_for(max_len, num_splits, block_n)
     with device_guard(query):
         _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                       config, num_splits, partition)
+                       config, num_splits, partition, variants)
+    return num_splits
+
+
+# Batch-invariant mode: every row is split into partitions of this many keys (a multiple of every
+# BLOCK_N in use), counted from its first visible key, whatever the batch, and always reduced by
+# the reduce kernel (even one partition), so a row's bits depend on the row alone.
+BATCH_INVARIANT_PARTITION = 256
+# Partial results of one launch in the mode ([rows, num_heads, num_splits, head_size] fp32) are
+# kept under this size by launching the rows in chunks (a long prefill against a long table).
+BATCH_INVARIANT_SCRATCH_BYTES = 256 << 20
+
+
+def run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, causal, scale,
+             k_scale, v_scale, variants: Variants = PLAIN, config: dict | None = None) -> int:
+    """The batch-invariant path of decode and prefill: each query row (token) is one decode-style
+    row (_row_extent) over fixed partitions of BATCH_INVARIANT_PARTITION keys, then the reduce.
+    The default config of the shapes, never a tuned one (``config`` only for tests). Returns the
+    split count of the grid (the rows' own partition counts depend on each row alone)."""
+    num_rows, num_heads, head_size = query.shape
+    block_size = key_cache.shape[1]
+    config = config or default_config(head_size, query.dtype, key_cache.dtype)
+    partition = BATCH_INVARIANT_PARTITION
+    if partition % config["BLOCK_N"]:
+        raise ValueError(f"BLOCK_N {config['BLOCK_N']} must divide the batch-invariant partition {partition}")
+    bound = visible_bound(max_len_bound(block_tables, block_size), variants, causal)
+    num_splits = math.ceil(bound / partition)
+    rows_per_launch = max(1, BATCH_INVARIANT_SCRATCH_BYTES // (num_heads * num_splits * head_size * 4))
+    with device_guard(query):
+        for row_offset in range(0, num_rows, rows_per_launch):
+            _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                           config, num_splits, partition, variants,
+                           rows=(cu_seqlens_q, bool(causal), row_offset, min(rows_per_launch, num_rows - row_offset)))
     return num_splits
 
 
 def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                   config, num_splits, partition) -> None:
-    num_seqs, num_heads, head_size = query.shape
+                   config, num_splits, partition, variants: Variants, rows=None) -> None:
+    """rows: None (decode: row = sequence, every row in one launch, split iff num_splits > 1) or
+    (cu_seqlens_q, causal, row_offset, num_rows) for the row-wise mode (always split + reduce)."""
+    num_heads, head_size = query.shape[1], query.shape[2]
+    num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads
     k_scale_t, k_per_head = scale_arg(k_scale, query)
     v_scale_t, v_per_head = scale_arg(v_scale, query)
     cdtype = compute_dtype(query.dtype)
     head_dim_pad = head_pad(head_size)
-    split = num_splits > 1
+    if rows is None:
+        cu_seqlens_q, causal, row_offset, num_rows = seq_lens, True, 0, query.shape[0]
+        split = num_splits > 1
+    else:
+        cu_seqlens_q, causal, row_offset, num_rows = rows
+        split = True
     if split:
-        # partials: [num_seqs, num_heads, num_splits, head_size] and their base-2 LSEs
-        part_out = torch.empty(num_seqs, num_heads, num_splits, head_size, dtype=torch.float32,
+        # partials: [num_rows, num_heads, num_splits, head_size] and their base-2 LSEs
+        part_out = torch.empty(num_rows, num_heads, num_splits, head_size, dtype=torch.float32,
                                device=query.device)
-        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         part_out = part_lse = out  # unused: SPLIT=False never touches them
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens,
-        k_scale_t, v_scale_t, part_out, part_lse,
-        scale * _LOG2E, partition, num_splits,
+    sinks_t, alibi_t, lse_t = variants.pointers(k_scale_t)
+    softcap_log2, window_left = variants.values()
+    flags = variants.flags()
+    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+        out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens, cu_seqlens_q,
+        k_scale_t, v_scale_t, part_out, part_lse, sinks_t, alibi_t, lse_t,
+        scale * _LOG2E, softcap_log2, window_left, partition, num_splits, num_seqs, row_offset, int(causal),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -288,11 +444,13 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
         ROUND_BF16=round_bf16(query.dtype),
         ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
                             *value_cache.stride()[:3]),
-        SPLIT=split,
+        SPLIT=split, VARLEN_ROWS=rows is not None, **flags,
         BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_dim_pad,
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if split:
-        _decode_reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, seq_lens, partition, num_splits,
+        _decode_reduce_kernel[(num_rows, num_heads)](
+            out, part_out, part_lse, seq_lens, cu_seqlens_q, sinks_t, lse_t,
+            window_left, partition, num_splits, num_seqs, row_offset, int(causal),
             out.stride(0), out.stride(1), HEAD_SIZE=head_size, ROUND_BF16=round_bf16(query.dtype),
-            SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, HEAD_PAD=head_dim_pad, num_warps=4)
+            VARLEN_ROWS=rows is not None, HAS_WINDOW=flags["HAS_WINDOW"], HAS_SINKS=flags["HAS_SINKS"],
+            WRITE_LSE=flags["WRITE_LSE"], SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, HEAD_PAD=head_dim_pad, num_warps=4)

@@ -23,8 +23,12 @@ import triton.language as tl
 
 from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
-                      fp8_format, head_pad, is_fp8, kv_view, next_pow2, round_bf16, row_align, scale_arg, tl_dtype)
-from ._tiles import load_kv_tile, load_scale, locate_tokens, online_softmax_step, store_rows
+                      fp8_format, head_pad, is_fp8, kv_view, next_pow2, round_bf16, row_align, scale_arg, tl_dtype,
+                      Variants)
+from ._tiles import (finish_rows, load_kv_tile, load_scale, locate_tokens, online_softmax_step, score_tile,
+                     store_rows)
+from . import decode
+from .decode import LN2, LOG2E, PLAIN
 
 _LOG2E = 1.4426950408889634
 
@@ -44,12 +48,13 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 # The batch size and the block-table width change from step to step of a serving engine: not
-# specialized, or Triton compiles a variant whenever one of them is 1 or a multiple of 16.
-@triton.jit(do_not_specialize=["num_seqs", "block_table_stride"])
+# specialized, or Triton compiles a variant whenever one of them is 1 or a multiple of 16 (the
+# window likewise: one variant for every window size).
+@triton.jit(do_not_specialize=["num_seqs", "block_table_stride", "window_left"])
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
-        k_scale_ptr, v_scale_ptr,
-        qk_scale_log2, num_seqs,
+        k_scale_ptr, v_scale_ptr, sinks_ptr, alibi_slopes_ptr, lse_ptr,
+        qk_scale_log2, softcap_log2, window_left, num_seqs,
         q_stride_token, q_stride_head, o_stride_token, o_stride_head,
         k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
         block_table_stride,
@@ -57,6 +62,8 @@ def _prefill_kernel(
         CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
+        WRITE_LSE: tl.constexpr,
         ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_SIZE
     tile = tl.program_id(0)
@@ -85,20 +92,29 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offs[:, None] + dims[None, :],
                 mask=io_mask, other=0.0).to(COMPUTE_DTYPE)
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
+    if HAS_ALIBI:  # slope * (j - p) in base 2: [BLOCK_M]
+        alibi = tl.load(alibi_slopes_ptr + heads, mask=row_mask, other=0.0) * LOG2E
 
     if CAUSAL:
         # The tile's last query sees up to context + last_q: later KV tiles are fully masked.
         kv_end = tl.minimum(seq_len, context + tl.minimum(q_tile_start + BLOCK_Q, q_len))
     else:
         kv_end = seq_len
+    if HAS_WINDOW:
+        # The tile's first query sees from context + q_tile_start - window_left: earlier KV is
+        # never read, so the cost follows the window, not the context.
+        kv_start = tl.maximum(context + q_tile_start - window_left, 0)
+    else:
+        kv_start = 0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table_row = block_tables_ptr + seq * block_table_stride
-    # Position 0 is visible to every row (context + q_pos >= 0), so each row's running max is
-    # finite after the first tile, as online_softmax_step requires.
-    for tile_start in range(0, kv_end, BLOCK_N):
+    # Without a window, position 0 is visible to every row (context + q_pos >= 0), so each row's
+    # running max is finite after the first tile, as online_softmax_step requires; with one, a
+    # later row's window may start tiles later (MAY_BE_EMPTY).
+    for tile_start in range(kv_start, kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
@@ -106,15 +122,30 @@ def _prefill_kernel(
                          k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
                          v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+        s = score_tile(q, k, qk_scale, softcap_log2, DOT_PRECISION, HAS_SOFTCAP)
+        if HAS_ALIBI:
+            s += alibi[:, None] * (pos[None, :] - (context + q_pos)[:, None]).to(tl.float32)
         visible = valid[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= context + q_pos[:, None])
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, m_i, l_i, acc, qk_scale,
-                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16)
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] >= context + q_pos[:, None] - window_left)
+        m_i, l_i, acc = online_softmax_step(s, visible, v, m_i, l_i, acc,
+                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, HAS_WINDOW)
 
-    out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
+    else:
+        sink = 0.0
+    alpha, total, lse2 = finish_rows(m_i, l_i, sink, HAS_SINKS)
+    if HAS_SINKS:
+        out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) * alpha / total)[:, None]
+    else:
+        out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
     out_offs = tl.multiple_of(q_rows * o_stride_token + heads * o_stride_head, ROW_ALIGN)
     store_rows(out_ptr + out_offs[:, None] + dims[None, :], out, io_mask, ROUND_BF16)
+    if WRITE_LSE:  # lse: [total_q, num_heads] float32, natural log
+        tl.store(lse_ptr + q_rows * (tl.num_programs(1) * GROUP_SIZE) + heads, lse2 * LN2, mask=row_mask)
 
 
 # Under the interpreter: one fixed config (no tuning).
@@ -162,51 +193,63 @@ def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
             for bm, bn, w, st in grid if bm * pad // (32 * w) <= 128]
 
 
-def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool) -> tuple:
+def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool, variants: Variants = PLAIN) -> tuple:
     num_heads, head_size = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = block_tables.shape[1] * block_size
     return (block_size, head_size, num_heads, num_kv_heads, next_pow2(max_seqlen_q),
             next_pow2(max_len), bool(causal), str(query.dtype), str(key_cache.dtype),
-            autotune.cache_layout(key_cache))
+            autotune.cache_layout(key_cache)) + variants.key()
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, scale, causal, k_scale=None, v_scale=None, softcap=0.0,
                       window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False) -> None:
-    """Varlen attention of each sequence's new query rows over its first seq_lens[s] cached tokens.
+    """Varlen attention of each sequence's new query rows over its first seq_lens[s] cached tokens,
+    with the variants of paged_ops.reference.attention.
 
     out, query: [total_q, num_heads, head_size]; cu_seqlens_q: [num_seqs + 1] int32;
-    seq_lens: [num_seqs] int32 (including the new tokens); block_tables: [num_seqs, max_blocks] int32.
+    seq_lens: [num_seqs] int32 (including the new tokens); block_tables: [num_seqs, max_blocks] int32;
+    lse: [total_q, num_heads] float32. batch_invariant: every row goes through decode's row-wise
+    path (decode.run_rows), so a causal row at position p gives the bits of a decode of p + 1 tokens.
     """
-    # TODO(#13, triton): the variants in the kernels; until then only the plain call runs here.
-    if softcap or window_left >= 0 or sinks is not None or alibi_slopes is not None or lse is not None or batch_invariant:
-        raise NotImplementedError("paged_triton: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant "
-                                  "not yet implemented")
-    key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal)
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
+    if batch_invariant:
+        if query.shape[0]:
+            decode.run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, causal,
+                            scale, k_scale, v_scale, variants)
+        return
+    key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal, variants)
 
     def bench(config):
         return autotune.benchmark_ms(lambda: run_prefill(
             out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-            max_seqlen_q, scale, causal, k_scale, v_scale, config))
+            max_seqlen_q, scale, causal, k_scale, v_scale, config, variants))
 
     config = autotune.TUNERS["prefill_attention"].choose(
         device_name(query.device), key, default_config(query.shape[2], query.dtype, key_cache.dtype),
         _candidates(query.shape[2], query.dtype), bench)
     run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                max_seqlen_q, scale, causal, k_scale, v_scale, config)
+                max_seqlen_q, scale, causal, k_scale, v_scale, config, variants)
 
 
 def config_for(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-               max_seqlen_q, scale, causal, k_scale=None, v_scale=None) -> dict:
-    """The config a prefill_attention call with these arguments would use; runs nothing."""
-    key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal)
+               max_seqlen_q, scale, causal, k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None,
+               alibi_slopes=None, lse=None, batch_invariant=False) -> dict:
+    """The config a prefill_attention call with these arguments would use; runs nothing. In the
+    batch-invariant mode: decode's fixed row-wise config, with its split count."""
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
+    if batch_invariant:
+        config = decode.default_config(query.shape[2], query.dtype, key_cache.dtype)
+        bound = decode.visible_bound(decode.max_len_bound(block_tables, key_cache.shape[1]), variants, causal)
+        return dict(config, num_splits=-(-bound // decode.BATCH_INVARIANT_PARTITION))
+    key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal, variants)
     return dict(autotune.TUNERS["prefill_attention"].lookup(device_name(query.device), key)
                 or default_config(query.shape[2], query.dtype, key_cache.dtype))
 
 
 def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                max_seqlen_q, scale, causal, k_scale, v_scale, config: dict) -> None:
+                max_seqlen_q, scale, causal, k_scale, v_scale, config: dict, variants: Variants = PLAIN) -> None:
     """Launch with an explicit config."""
     num_seqs = seq_lens.shape[0]
     num_heads, head_size = query.shape[1], query.shape[2]
@@ -219,14 +262,16 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
         return
     k_scale_t, k_per_head = scale_arg(k_scale, query)
     v_scale_t, v_per_head = scale_arg(v_scale, query)
+    sinks_t, alibi_t, lse_t = variants.pointers(k_scale_t)
+    softcap_log2, window_left = variants.values()
     cdtype = compute_dtype(query.dtype)
     # Flat query-tile axis (see the module docstring): an upper bound that needs no host sync.
     grid = (query.shape[0] // (block_m // group_size) + num_seqs, num_kv_heads)
     with device_guard(query):
         _prefill_kernel[grid](
             out, query, kv_view(key_cache), kv_view(value_cache), block_tables, cu_seqlens_q, seq_lens,
-            k_scale_t, v_scale_t,
-            scale * _LOG2E, num_seqs,
+            k_scale_t, v_scale_t, sinks_t, alibi_t, lse_t,
+            scale * _LOG2E, softcap_log2, window_left, num_seqs,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
@@ -234,7 +279,7 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
             CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
             FP8_FORMAT=fp8_format(key_cache.dtype),
             COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
-            ROUND_BF16=round_bf16(query.dtype),
+            ROUND_BF16=round_bf16(query.dtype), **variants.flags(),
             ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
                                 *value_cache.stride()[:3]),
             BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_pad(head_size),
