@@ -37,6 +37,11 @@ def op_samples():
                               (key, value, f8.key_cache.clone(), f8.value_cache.clone(), slots, f8.k_scale, f8.v_scale)],
         "decode_attention": [decode.decode_args(nan_like(decode.query))],
         "prefill_attention": [c.prefill_args(nan_like(c.query)), f8.prefill_args(nan_like(f8.query), False)],
+        "merge_attention_states": [(torch.empty(4, 2, 64), torch.empty(4, 2), torch.randn(4, 2, 64), torch.randn(4, 2),
+                                    torch.randn(4, 2, 64), torch.randn(4, 2)),
+                                   (torch.empty(3, 2, 64, dtype=torch.bfloat16), None,
+                                    torch.randn(3, 2, 64).bfloat16(), torch.randn(3, 2), torch.randn(3, 2, 64).bfloat16(),
+                                    torch.randn(3, 2))],
         "quantize_fp8": [(torch.empty(4, 64, dtype=torch.float8_e5m2), x, torch.tensor([0.5]))],
         "dequantize_fp8": [(torch.empty(4, 64), x.to(torch.float8_e4m3fn), torch.tensor([0.5]))],
         "copy_blocks": [(kcs, vcs, torch.tensor([[0, 3], [1, 4]]))],
@@ -546,3 +551,275 @@ def test_torch_compile_dynamic_batch_and_max_seqlen_q_recompiles_at_most_once():
         torch.testing.assert_close(sums, out.sum(-1))
     assert len({max(q) for _, q in batches}) == len(batches)  # every batch a new max_seqlen_q
     assert counter.frame_count <= 2, f"{counter.frame_count - 1} recompiles"
+
+
+# --- the attention variants (#13): opcheck, torch.compile, bad input -------------------------
+
+from paged_ops.testing import make_variants, poison  # noqa: E402
+
+
+def variant_samples():
+    """decode/prefill with variants (every variant, the mutable optional lse among them) and
+    merge_attention_states with and without out_lse."""
+    c = small_case()
+    d = decode_case(dtype=torch.bfloat16)
+    f8 = small_case(cache_dtype=torch.float8_e5m2, scale_kind="head", dtype=torch.float16)
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.randn(8, 4, 64, generator=g) for _ in range(2)]
+    lses = [torch.randn(8, 4, generator=g) for _ in range(2)]
+    return {
+        "decode_attention": [(d.decode_args(nan_like(d.query)),
+                              make_variants(4, softcap=2.0, window_left=5, sinks=True, alibi=True, lse_rows=2))],
+        "prefill_attention": [(c.prefill_args(nan_like(c.query)), make_variants(4, window_left=3, lse_rows=8)),
+                              (f8.prefill_args(nan_like(f8.query), False),
+                               make_variants(4, softcap=1.0, sinks=True, alibi=True, lse_rows=8))],
+        "merge_attention_states": [((nan_like(parts[0]), poison(torch.empty(8, 4)), parts[0], lses[0], parts[1],
+                                     lses[1]), {}),
+                                   ((nan_like(parts[0]), None, parts[0], lses[0], parts[1], lses[1]), {})],
+    }
+
+
+@pytest.mark.parametrize("op", ["decode_attention", "prefill_attention", "merge_attention_states"])
+def test_opcheck_variants(op):
+    for args, kwargs in variant_samples()[op]:
+        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype in FP8 for a in args)
+        utils = [u for u in DEFAULT_TEST_UTILS if not (has_fp8 and u == "test_schema")]
+        torch.library.opcheck(getattr(torch.ops.paged, op).default, args, kwargs, test_utils=utils)
+
+
+def test_torch_compile_variants_and_merge_no_recompiles():
+    """Cascade attention in one compiled function (fullgraph, dynamic): a prefix pass and a suffix
+    pass with the variants writing their lse (the mutable optional argument), merged with and
+    without out_lse; batches of different sizes compile once."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def step(query, key_cache, value_cache, block_tables, seq_lens, sinks, alibi, scale):
+        # query: [num_seqs, num_heads, head_size]
+        a_out, b_out = torch.empty_like(query), torch.empty_like(query)
+        a_lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+        b_lse = torch.empty_like(a_lse)
+        torch.ops.paged.decode_attention(a_out, query * 1.0, key_cache, value_cache, block_tables, seq_lens, scale,
+                                         None, None, softcap=3.0, window_left=40, sinks=sinks, alibi_slopes=alibi,
+                                         lse=a_lse)
+        torch.ops.paged.decode_attention(b_out, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                         None, None, softcap=3.0, lse=b_lse, batch_invariant=True)
+        merged, merged_lse, merged_no_lse = torch.empty_like(query), torch.empty_like(a_lse), torch.empty_like(query)
+        torch.ops.paged.merge_attention_states(merged, merged_lse, a_out, a_lse, b_out, b_lse)
+        torch.ops.paged.merge_attention_states(merged_no_lse, None, a_out, a_lse, b_out, b_lse)
+        return a_out, a_lse, b_out, b_lse, merged, merged_lse, merged_no_lse
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    batches = [[37, 21, 9], [70, 9], [40, 3, 80, 12], [100, 64, 7, 5, 19], [33, 5, 17]]
+    for i, seq_lens in enumerate(batches):
+        case = make_case(seq_lens, num_heads=6, num_kv_heads=2, head_size=64, block_size=16)
+        if i == 0:  # no equal sizes in the first call ("duck sizing" would guard on them)
+            dims = [*case.query.shape, *case.key_cache.shape[:3], case.block_tables.shape[1]]
+            assert len(set(dims)) == len(dims), dims
+        kw = make_variants(6, sinks=True, alibi=True)
+        args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens, kw["sinks"],
+                kw["alibi_slopes"], case.scale)
+        got, want = compiled(*args), step(*args)
+        for g_, w in zip(got, want):
+            assert torch.equal(g_, w)
+        assert torch.equal(got[4], got[6])
+        if i == 0:
+            first = counter.frame_count  # what the first call compiled (torch 2.14: two frames)
+        ref, ref_lse = case.reference_decode_lse(softcap=3.0, window_left=40, **kw)
+        assert_close(got[0], ref, case.dtype)
+        assert torch.allclose(got[1].double(), ref_lse, atol=1e-5)
+    assert counter.frame_count == first, f"{counter.frame_count - first} recompiles after the first batch"
+
+
+def variant_bad_inputs():
+    d = decode_case()
+    c = small_case()
+    args = d.decode_args(nan_like(d.query))  # 2 sequences, 4 heads
+    num_heads = 4
+
+    def decode(**kw):
+        return lambda: torch.ops.paged.decode_attention(*args, **kw)
+
+    yield "softcap negative", "softcap", decode(softcap=-1.0)
+    yield "softcap NaN", "softcap", decode(softcap=float("nan"))
+    yield "softcap inf", "softcap", decode(softcap=float("inf"))
+    yield "window_left < -1", "window_left", decode(window_left=-2)
+    for name in ("sinks", "alibi_slopes"):
+        yield f"{name} numel", name, decode(**{name: torch.zeros(num_heads + 1)})
+        yield f"{name} dtype float64", name, decode(**{name: torch.zeros(num_heads, dtype=torch.float64)})
+        yield f"{name} dtype bfloat16", name, decode(**{name: torch.zeros(num_heads, dtype=torch.bfloat16)})
+        yield f"{name} device", name, decode(**{name: torch.zeros(num_heads, device="meta")})
+        yield f"{name} rank", name, decode(**{name: torch.zeros(1, num_heads)})
+        yield f"{name} non-contiguous", name, decode(**{name: torch.zeros(2 * num_heads)[::2]})
+    yield "lse rows", "lse", decode(lse=torch.empty(3, num_heads))
+    yield "lse heads", "lse", decode(lse=torch.empty(2, num_heads - 1))
+    yield "lse transposed shape", "lse", decode(lse=torch.empty(num_heads, 2))
+    yield "lse rank", "lse", decode(lse=torch.empty(2 * num_heads))
+    yield "lse dtype", "lse", decode(lse=torch.empty(2, num_heads, dtype=torch.float64))
+    yield "lse dtype bfloat16", "lse", decode(lse=torch.empty(2, num_heads, dtype=torch.bfloat16))
+    yield "lse device", "lse", decode(lse=torch.empty(2, num_heads, device="meta"))
+    yield "lse non-contiguous", "lse", decode(lse=torch.empty(num_heads, 2).t())
+    out = nan_like(d.query)  # float32 [2, 4, 64]
+    yield "lse inside out", "lse overlaps out", lambda: torch.ops.paged.decode_attention(
+        out, *args[1:], lse=out.view(-1)[64:72].view(2, num_heads))
+    query = d.query.clone()
+    yield "lse inside query", "lse overlaps query", lambda: torch.ops.paged.decode_attention(
+        nan_like(query), query, *args[2:], lse=query.view(-1)[:8].view(2, num_heads))
+    sinks = torch.zeros(2, num_heads)
+    yield "lse is sinks", "lse overlaps sinks", decode(sinks=sinks[0], lse=sinks)
+    # prefill takes the same checks: one of each kind
+    pargs = c.prefill_args(nan_like(c.query))  # 8 query tokens, 4 heads
+    yield "prefill softcap", "softcap", lambda: torch.ops.paged.prefill_attention(*pargs, softcap=-0.5)
+    yield "prefill window_left", "window_left", lambda: torch.ops.paged.prefill_attention(*pargs, window_left=-7)
+    yield "prefill sinks", "sinks", lambda: torch.ops.paged.prefill_attention(*pargs, sinks=torch.zeros(2))
+    yield "prefill alibi", "alibi_slopes", lambda: torch.ops.paged.prefill_attention(
+        *pargs, alibi_slopes=torch.zeros(4, dtype=torch.float16))
+    yield "prefill lse rows = num_seqs", "lse", lambda: torch.ops.paged.prefill_attention(
+        *pargs, lse=torch.empty(2, 4))
+
+    # merge_attention_states: each of its 6 arguments wrong in shape, dtype and device
+    g = torch.Generator().manual_seed(0)
+    m = dict(out=torch.empty(5, 4, 32), out_lse=torch.empty(5, 4), prefix_out=torch.randn(5, 4, 32, generator=g),
+             prefix_lse=torch.randn(5, 4, generator=g), suffix_out=torch.randn(5, 4, 32, generator=g),
+             suffix_lse=torch.randn(5, 4, generator=g))
+
+    def merge(**changes):
+        kw = {**m, **changes}
+        return lambda: torch.ops.paged.merge_attention_states(
+            kw["out"], kw["out_lse"], kw["prefix_out"], kw["prefix_lse"], kw["suffix_out"], kw["suffix_lse"])
+
+    for name in ("out", "prefix_out", "suffix_out"):
+        yield f"merge {name} shape", name, merge(**{name: torch.empty(5, 4, 40)})
+        yield f"merge {name} rows", name, merge(**{name: torch.empty(6, 4, 32)})
+        yield f"merge {name} rank", name, merge(**{name: torch.empty(5, 128)})
+        yield f"merge {name} device", name, merge(**{name: torch.empty(5, 4, 32, device="meta")})
+    yield "merge out dtype int", "out", merge(out=torch.empty(5, 4, 32, dtype=torch.int32))
+    yield "merge prefix_out dtype", "prefix_out", merge(prefix_out=m["prefix_out"].half())
+    yield "merge suffix_out dtype", "suffix_out", merge(suffix_out=m["suffix_out"].bfloat16())
+    yield "merge out last dim strided", "out", merge(out=torch.empty(5, 4, 64)[..., ::2])
+    for name in ("out_lse", "prefix_lse", "suffix_lse"):
+        yield f"merge {name} shape", name, merge(**{name: torch.empty(5, 3)})
+        yield f"merge {name} transposed", name, merge(**{name: torch.empty(4, 5)})
+        yield f"merge {name} rank", name, merge(**{name: torch.empty(5, 4, 1)})
+        yield f"merge {name} dtype", name, merge(**{name: torch.empty(5, 4, dtype=torch.float64)})
+        yield f"merge {name} dtype half", name, merge(**{name: torch.empty(5, 4, dtype=torch.float16)})
+        yield f"merge {name} device", name, merge(**{name: torch.empty(5, 4, device="meta")})
+        yield f"merge {name} non-contiguous", name, merge(**{name: torch.empty(4, 5).t()})
+    yield "merge in place (out is prefix_out)", "out overlaps prefix_out", merge(out=m["prefix_out"])
+    yield "merge out is suffix_out", "out overlaps suffix_out", merge(out=m["suffix_out"])
+    yield "merge out_lse is prefix_lse", "out_lse overlaps prefix_lse", merge(out_lse=m["prefix_lse"])
+    yield "merge out_lse inside out", "out_lse overlaps out", merge(out_lse=m["out"].view(-1)[:20].view(5, 4))
+
+
+VARIANT_BAD = list(variant_bad_inputs())
+
+
+@pytest.mark.parametrize("what,names,call", VARIANT_BAD, ids=[c[0] for c in VARIANT_BAD])
+def test_variant_bad_input_raises_clear_error(what, names, call):
+    with pytest.raises(ValueError, match=names):
+        call()
+
+
+def test_reference_merge_ignores_the_out_of_a_side_at_minus_inf():
+    # A side with no keys (lse -inf) has a NaN out (reference.attention): the merge is the other
+    # side exactly. Before the fix, 0 * NaN made the merged row NaN.
+    out, lse = torch.empty(1, 2, 8, dtype=torch.float64), torch.empty(1, 2, dtype=torch.float64)
+    side = torch.arange(16, dtype=torch.float64).view(1, 2, 8)
+    nan = torch.full((1, 2, 8), float("nan"), dtype=torch.float64)
+    reference.merge_attention_states(out, lse, nan, torch.full((1, 2), -float("inf")), side, torch.tensor([[0.5, 2.0]]))
+    assert torch.equal(out, side) and torch.equal(lse, torch.tensor([[0.5, 2.0]], dtype=torch.float64))
+    reference.merge_attention_states(out, lse, side, torch.tensor([[0.5, 2.0]]), nan, torch.full((1, 2), -float("inf")))
+    assert torch.equal(out, side)
+
+
+# --- the batch-invariant mode's API (#13 item 3) ---------------------------------------------
+
+
+@pytest.fixture
+def mode_seen(monkeypatch):
+    """Calls of backend 'triton' go to a spy that records the batch_invariant flag its kernel was
+    handed (the public op's effective mode), in place of the Triton kernels (a module stand-in,
+    so the test needs neither triton nor any backend's kernels to take the mode)."""
+    import types
+
+    from paged_ops import backends
+
+    seen = []
+    fake = types.SimpleNamespace(DEVICES=("cpu", "cuda"), is_available=lambda: True,
+                                 decode_attention=lambda *args: seen.append(("decode", args[-1])),
+                                 prefill_attention=lambda *args: seen.append(("prefill", args[-1])))
+    monkeypatch.setattr(backends, "_triton", lambda: fake)
+    monkeypatch.setattr(backends, "_is_available", lambda name: True)
+    monkeypatch.delenv("PAGED_OPS_BATCH_INVARIANT", raising=False)
+    c = small_case()
+    ops = backends.Backend("triton")
+
+    def call(**kw):
+        ops.prefill_attention(*c.prefill_args(nan_like(c.query)), **kw)
+        return seen.pop()[1]
+
+    return call
+
+
+def test_batch_invariant_context_manager_nests(mode_seen):
+    assert mode_seen() is False
+    assert mode_seen(batch_invariant=True) is True
+    with paged_ops.batch_invariant():
+        assert mode_seen() is True
+        with paged_ops.batch_invariant(False):
+            assert mode_seen() is False
+            assert mode_seen(batch_invariant=True) is True  # the call's own argument wins
+            with paged_ops.batch_invariant():
+                assert mode_seen() is True
+            assert mode_seen() is False
+        assert mode_seen() is True
+    assert mode_seen() is False
+    with pytest.raises(KeyError):
+        with paged_ops.batch_invariant():
+            raise KeyError("restored on the way out")
+    assert mode_seen() is False
+
+
+def test_batch_invariant_is_per_thread(mode_seen):
+    import threading
+
+    seen = {}
+
+    def other():
+        seen["thread"] = mode_seen()
+        with paged_ops.batch_invariant():
+            seen["thread inside"] = mode_seen()
+
+    with paged_ops.batch_invariant():
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        seen["here"] = mode_seen()
+    seen["after"] = mode_seen()
+    assert seen == {"thread": False, "thread inside": True, "here": True, "after": False}
+
+
+def test_batch_invariant_env(mode_seen, monkeypatch):
+    monkeypatch.setenv("PAGED_OPS_BATCH_INVARIANT", "1")
+    assert mode_seen() is True  # read per call
+    with paged_ops.batch_invariant(False):
+        assert mode_seen() is False
+    for value in ("0", "", "true", "11"):
+        monkeypatch.setenv("PAGED_OPS_BATCH_INVARIANT", value)
+        assert mode_seen() is False, value
+    with paged_ops.batch_invariant():
+        assert mode_seen() is True
+
+
+def test_batch_invariant_reaches_decode(mode_seen, monkeypatch):
+    from paged_ops import backends
+
+    seen = []
+    monkeypatch.setattr(backends._triton(), "decode_attention", lambda *args: seen.append(args[-1]))
+    d = decode_case()
+    with paged_ops.batch_invariant():
+        backends.Backend("triton").decode_attention(*d.decode_args(nan_like(d.query)))
+    backends.Backend("triton").decode_attention(*d.decode_args(nan_like(d.query)))
+    assert seen == [True, False]
