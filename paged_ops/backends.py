@@ -233,8 +233,12 @@ def _check_fake_devices(op: str, args) -> None:
 
 def _fake(op: str) -> Callable:
     # Every op writes into its arguments and returns nothing, so tracing needs no shapes.
+    names = [a.name for a in getattr(torch.ops.paged, op).default._schema.arguments]
+
     def fake(*args, **kwargs):
-        _check_fake_devices(op, args)
+        # Keyword-only arguments (the attention variants: sinks, alibi_slopes, lse) arrive as
+        # kwargs: checked in schema order with the rest.
+        _check_fake_devices(op, (*args, *(kwargs.get(n) for n in names[len(args):])))
 
     return fake
 
