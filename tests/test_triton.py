@@ -526,14 +526,18 @@ def test_batch_invariant_uses_a_fixed_config_and_split_size(monkeypatch):
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
 def test_merge_attention_states_matches_reference(dtype):
     # Head size 40 (a padded tile), 5 heads (a partial head block), strided outputs; lses with
-    # -inf on one side, on both, +inf and NaN, which must give the reference's NaN pattern.
+    # -inf on one side (whose out is NaN, as attention over no keys leaves it: it must contribute
+    # nothing, not 0 * NaN), on both, +inf and NaN, which must give the reference's NaN pattern.
     g = torch.Generator().manual_seed(0)
     T, H, D = 7, 5, 40
-    prefix = torch.randn(T, H, D, generator=g).to(dtype).to(DEVICE)
-    suffix = torch.randn(T, H + 1, D, generator=g).to(dtype).to(DEVICE)[:, :H]  # head stride != D * H
+    prefix = torch.randn(T, H, D, generator=g).to(dtype)
+    suffix = torch.randn(T, H + 1, D, generator=g).to(dtype)
     a, b = torch.randn(T, H, generator=g) * 3, torch.randn(T, H, generator=g) * 3
     a[0, 0] = -math.inf
+    prefix[0, 0] = math.nan
     b[1, 1] = -math.inf
+    suffix[1, 1] = math.nan
+    prefix, suffix = prefix.to(DEVICE), suffix.to(DEVICE)[:, :H]  # suffix: head stride != D * H
     a[2, 2] = b[2, 2] = -math.inf
     a[3, 3] = math.inf
     b[4, 4] = math.nan

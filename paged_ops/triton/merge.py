@@ -4,9 +4,9 @@
 Grid: (token, head block). Memory bound: a program merges HEADS_PER_PROGRAM (token, head) rows,
 reading each side's row and lse once. In fp32, relative to m = max(a, b) of the two lses:
 out = (e^(a-m) prefix_out + e^(b-m) suffix_out) / (e^(a-m) + e^(b-m)), out_lse = m + ln(sum).
-NaN/inf follow the reference's arithmetic: a side with lse -inf weighs 0 (its out is still
-multiplied, so a NaN out there stays NaN, as 0 * NaN does in the reference); both -inf give a
-NaN row and lse -inf (m is taken as 0 then); a +inf or NaN lse makes the row NaN.
+NaN/inf as the reference: a side with lse -inf contributes nothing, even a NaN out (attention
+over no keys leaves one); both -inf give a NaN row (0 / 0) and lse -inf (m is taken as 0 then);
+a +inf or NaN lse makes the row NaN.
 """
 from __future__ import annotations
 
@@ -43,7 +43,10 @@ def _merge_kernel(out_ptr, out_lse_ptr, prefix_ptr, prefix_lse_ptr, suffix_ptr, 
                 mask=mask, other=0.0).to(tl.float32)
     y = tl.load(suffix_ptr + token * s_stride_token + heads[:, None] * s_stride_head + dims[None, :],
                 mask=mask, other=0.0).to(tl.float32)
-    merged = (wa[:, None] * x + wb[:, None] * y) * (1.0 / total)[:, None]
+    # A side at -inf contributes nothing, even a NaN out (what attention over no keys leaves).
+    x = tl.where((a == float("-inf"))[:, None], 0.0, wa[:, None] * x)
+    y = tl.where((b == float("-inf"))[:, None], 0.0, wb[:, None] * y)
+    merged = (x + y) * (1.0 / total)[:, None]
     store_rows(out_ptr + token * o_stride_token + heads[:, None] * o_stride_head + dims[None, :], merged, mask,
                ROUND_BF16)
     if WRITE_LSE:
