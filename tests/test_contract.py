@@ -645,6 +645,8 @@ def variant_bad_inputs():
     yield "softcap negative", "softcap", decode(softcap=-1.0)
     yield "softcap NaN", "softcap", decode(softcap=float("nan"))
     yield "softcap inf", "softcap", decode(softcap=float("inf"))
+    yield "softcap past float32", "softcap", decode(softcap=1e39)
+    yield "softcap below float32", "softcap", decode(softcap=1e-40)
     yield "window_left < -1", "window_left", decode(window_left=-2)
     for name in ("sinks", "alibi_slopes"):
         yield f"{name} numel", name, decode(**{name: torch.zeros(num_heads + 1)})

@@ -527,6 +527,25 @@ def test_window_at_block_boundaries(backend, window_left):
     assert_lse_close(kw["lse"], ref_lse, F32)
 
 
+@pytest.mark.parametrize("backend,window_left", with_backends((2**31 - 1, 2**31, 2**63 - 1)))
+def test_window_longer_than_any_sequence(backend, window_left):
+    # A window past every length (an engine's "no window" spelled as a huge number, sizes past
+    # int32, the int64 maximum: p - window_left and window_left + q_len must not wrap) is no window.
+    device = device_of(backend)
+    c = make_case([40, 7], [6, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=6, device=device)
+    lse = poison(torch.empty(13, 4, device=device))
+    out = nan_like(c.query)
+    paged_ops.backend(backend).prefill_attention(*c.prefill_args(out), window_left=window_left, lse=lse)
+    decode_out = nan_like(c.query[:2])
+    paged_ops.backend(backend).decode_attention(decode_out, c.query[[5, 12]], *c.decode_args(None)[2:],
+                                                window_left=window_left)
+    sync(device)
+    ref, ref_lse = c.reference_prefill_lse()
+    assert_close(out, ref, F32)
+    assert_lse_close(lse, ref_lse, F32)
+    assert_close(decode_out, ref[[5, 12]], F32)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sinks_dominating_and_negligible(backend):
     # A sink far above every score (the row is nearly all sink: out ~ 0, lse ~ sink) and far below

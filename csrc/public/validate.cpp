@@ -453,6 +453,11 @@ void check_attention_variants(const Tensor& out, const Tensor& query, double sof
                               bool /*batch_invariant*/) {
   TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap=", softcap,
                     " must be >= 0 and finite (0: no soft-cap)");
+  // The kernels hold it in a float: a value that rounds to 0 there would silently mean "no cap",
+  // one that rounds to inf would make every score inf * tanh(0) = NaN.
+  const float softcap_f = static_cast<float>(softcap);
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap_f >= std::numeric_limits<float>::min() && std::isfinite(softcap_f)),
+                    "softcap=", softcap, " is outside float32's normal range (the kernels compute in float32)");
   TORCH_CHECK_VALUE(window_left >= -1, "window_left=", window_left,
                     " must be >= -1 (-1: no window; w >= 0: a query sees itself and the w keys before it)");
   const c10::Device device = query.device();
