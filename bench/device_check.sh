@@ -9,11 +9,13 @@
 # compute-sanitizer memcheck over the CUDA tests and racecheck + synccheck over the shared-KV decode
 # and tensor-core prefill tests, the engine's end-to-end tests on the GPU, then the GPU kernel
 # benchmarks (decode 32 seqs x 8k tokens, 32/8 heads, d128, bf16 block sweep; cuda and triton vs
-# device copy bandwidth, bf16 matmul, FlexAttention paged decode; prefill vs SDPA flash). Without a
+# device copy bandwidth, bf16 matmul, FlexAttention paged decode; prefill vs SDPA flash) and the
+# attention-variant benchmarks (bench/variants.py: sliding-window decode, batch-invariant cost). Without a
 # GPU: the small CPU benchmarks only.
 # Every step has a time limit (BUILD_S 150 + TESTS_S 50 + CONTRACT_S 80 + DEVICE_S 30 + MEMCHECK_S 35
-# + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 25 + BENCH_S 55 = 475 s: under 8 minutes; the
-# limits are budgets, not measurements: no step has run on a GPU yet); results (JSON, PNG) and logs go to
+# + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 25 + VARIANTS_S 40 + BENCH_S 55 = 515 s: under 9 minutes,
+# inside one 10-minute device command; the limits are budgets, not measurements: no step has run on a
+# GPU yet); results (JSON, PNG) and logs go to
 # bench/results/device-check-<UTC time>/ and
 # are copied to $OUT when it is set. Exit status: non-zero if any step failed.
 set -uo pipefail
@@ -81,6 +83,10 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     fi
     # the engine picks CUDA when it is there: its greedy outputs against transformers' (CPU) generate
     step engine-gpu "${ENGINE_S:-25}" "$PY" -m pytest -q -x -p no:cacheprovider tests/test_engine_e2e.py
+    # issue #13 on the GPU: decode at L = 4k/16k/64k with and without a 4096-key window (flat with
+    # the window if the kernels skip the blocks before it), and the batch-invariant mode's cost
+    step variants-bench "${VARIANTS_S:-40}" env PAGED_BENCH_RESULTS="$LOGS" "$PY" -m bench.variants \
+        window batch-invariant --backends cuda,triton --save
     step kernel-bench "${BENCH_S:-55}" env PAGED_BENCH_PROFILE=gpu PAGED_BENCH_RESULTS="$LOGS" "$PY" -m pytest -q -p no:cacheprovider \
         bench/test_kernels.py bench/test_references.py --benchmark-enable
 else

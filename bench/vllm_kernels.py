@@ -88,7 +88,9 @@ def vllm_set(case: K.Case, isa: str, seed: int, keep_kv: bool = False):
     g = torch.Generator().manual_seed(seed)
     per_seq = math.ceil(c.context_len / c.block_size)
     num_blocks = c.num_seqs * per_seq
-    kv = torch.empty(num_blocks, c.num_kv_heads, 2 * c.block_size, c.head_size, dtype=c.torch_dtype)
+    # the whole pool random first, as ours: slots past a sequence's length in its last block are then
+    # finite numbers (vLLM's kernel reads whole blocks and masks; uninitialized memory may hold NaN)
+    kv = random_tensor((num_blocks, c.num_kv_heads, 2 * c.block_size, c.head_size), c.torch_dtype, g)
     key_cache, value_cache = kv.chunk(2, dim=2)  # [num_blocks, num_kv_heads, block_size, head_size] views
     block_table = torch.randperm(num_blocks, generator=g).to(torch.int32).view(c.num_seqs, per_seq).contiguous()
     pos = torch.arange(c.context_len)
@@ -108,7 +110,7 @@ def vllm_set(case: K.Case, isa: str, seed: int, keep_kv: bool = False):
         sliding_window_size=-1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV)
     out = torch.full_like(query, float("nan"))
     args = (query, key_cache, value_cache, out, query_start_loc, seq_lens, c.head_size ** -0.5, True, None, -1,
-            block_table, 0.0, metadata, None)
+            block_table, 0.0, metadata, None, None)  # ..., softcap, metadata, s_aux (sinks), dynamic_causal
     first = (key[:c.context_len], value[:c.context_len]) if keep_kv else None
     return args, first
 
