@@ -9,12 +9,15 @@ milliseconds to a second. The GPU counterparts are in tests/test_cuda_gpu.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
 
 import paged_ops
+from paged_ops import reference
 from paged_ops.testing import assert_close, make_case, nan_like
 
 if "cuda_emu" not in paged_ops.available_backends():  # optional: built only where CUDA's headers are
@@ -43,11 +46,11 @@ class ConfiguredOps:
     def __init__(self, config: list[int]):
         self.config = config
 
-    def decode_attention(self, *args):
-        torch.ops.paged_cuda_emu_test.decode_attention_config(*args, self.config)
+    def decode_attention(self, *args, **variants):
+        torch.ops.paged_cuda_emu_test.decode_attention_config(*args, self.config, **variants)
 
-    def prefill_attention(self, *args):
-        torch.ops.paged_cuda_emu_test.prefill_attention_config(*args, self.config)
+    def prefill_attention(self, *args, **variants):
+        torch.ops.paged_cuda_emu_test.prefill_attention_config(*args, self.config, **variants)
 
 
 @pytest.fixture
@@ -134,6 +137,256 @@ def test_decode_reads_kv_once_per_group(group, config):
     assert_close(out, case.reference_prefill(), case.dtype)
     once = 2 * sum(lens) * kv_heads * head_size * case.key_cache.element_size()  # K and V of live tokens
     assert read == once * -(-group // 64)
+
+
+# ---- decode: the attention variants (paged_ops/reference.py attention) ---------------------------
+def variant_args(num_heads, *, softcap=0.0, window_left=-1, sinks=False, alibi=False, seed=0):
+    """Keyword arguments of one variant combination; sinks and slopes drawn fresh."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    kw = dict(softcap=softcap, window_left=window_left)
+    if sinks:
+        kw["sinks"] = torch.randn(num_heads, generator=g) * 2
+    if alibi:
+        kw["alibi_slopes"] = torch.rand(num_heads, generator=g) * 0.25
+    return kw
+
+
+def decode_reference(case, **variants):
+    """The float64 reference's out [num_seqs, num_heads, head_size] and lse [num_seqs, num_heads]."""
+    ref = torch.empty(case.query.shape, dtype=torch.float64)
+    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
+    args = case._on_cpu_in_float64(case.decode_args(ref))
+    reference.decode_attention(*args, **variants, lse=lse)
+    return ref, lse
+
+
+def check_decode_variants(case, ops, **variants):
+    out = nan_like(case.query)
+    lse = torch.full(case.query.shape[:2], float("nan"))
+    ops.decode_attention(*case.decode_args(out), **variants, lse=lse)
+    ref, ref_lse = decode_reference(case, **variants)
+    assert_close(out, ref, case.dtype)
+    assert_close(lse, ref_lse, torch.float32)  # float32 math on the same (rounded) inputs
+
+
+VARIANTS = {
+    "softcap": dict(softcap=1.5),
+    "window": dict(window_left=37),
+    "window0": dict(window_left=0),  # the query sees only itself
+    "sinks": dict(sinks=True),
+    "alibi": dict(alibi=True),
+    "all": dict(softcap=3.0, window_left=50, sinks=True, alibi=True),
+}
+DECODE_PATHS = {
+    "one_pass": (2, dict(partition=-1)),
+    "split": (4, dict(force_split=1, partition=32)),
+    "split_odd": (2, dict(force_split=1, partition=24, threads=64)),
+    "shared_kv": (16, dict(force_split=1, partition=48, kv_tile=16)),
+    "shared_kv_one_pass": (24, dict(partition=-1, threads=256)),
+}
+
+
+@pytest.mark.parametrize("path", list(DECODE_PATHS))
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_decode_variants(launch_config, path, variant):
+    # Every variant on every decode kernel (one pass, split-KV + reduce, the shared-KV kernel):
+    # windows that start mid-block and mid-partition, shorter than the sequence or not.
+    group, config = DECODE_PATHS[path]
+    i = list(VARIANTS).index(variant) + list(DECODE_PATHS).index(path)
+    case = make_case([1, 30, 51, 130], num_heads=2 * group, num_kv_heads=2, head_size=(64, 128, 80)[i % 3],
+                     block_size=(16, 5, 8)[i % 3], dtype=(torch.float16, torch.bfloat16, torch.float32)[i % 3],
+                     layout=("NHD", "HND")[i % 2], seed=i)
+    check_decode_variants(case, launch_config(**config), **variant_args(2 * group, seed=i, **VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_variants_fp8(cache_dtype):
+    case = make_case([3, 70, 200], num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.bfloat16,
+                     cache_dtype=cache_dtype, scale_kind="head", seed=5)
+    check_decode_variants(case, emu, **variant_args(8, softcap=2.0, window_left=90, sinks=True, alibi=True))
+
+
+def test_decode_default_variants_unchanged():
+    # The defaults spelled out are the plain call, bit for bit, and lse alone changes no output bit.
+    case = make_case([1, 40, 300], num_heads=8, num_kv_heads=2, head_size=64, dtype=torch.float16, seed=2)
+    plain, spelled, with_lse = nan_like(case.query), nan_like(case.query), nan_like(case.query)
+    emu.decode_attention(*case.decode_args(plain))
+    emu.decode_attention(*case.decode_args(spelled), softcap=0.0, window_left=-1, sinks=None, alibi_slopes=None)
+    emu.decode_attention(*case.decode_args(with_lse), lse=torch.empty(3, 8))
+    assert torch.equal(plain, spelled) and torch.equal(plain, with_lse)
+
+
+@pytest.mark.parametrize("group,config", [(2, ""), (2, "force_split=1,partition=64"), (16, ""),
+                                          (16, "force_split=1,partition=40")])
+def test_decode_window_reads_only_the_window(group, config):
+    # A sliding window skips the blocks before it: the kernels read exactly the K and V rows of the
+    # window, so a decode with window W costs O(W) whatever the context length.
+    config = config_list(**{k: int(v) for k, v in (kv.split("=") for kv in config.split(",") if kv)})
+    window_left, kv_heads, head_size = 40, 2, 64
+    reads = []
+    for lens in ([1, 16, 41, 300], [1, 16, 41, 1200]):
+        case = make_case(lens, num_heads=group * kv_heads, num_kv_heads=kv_heads, head_size=head_size, block_size=16,
+                         dtype=torch.float16, seed=len(reads))
+        out = nan_like(case.query)
+        read = selftest.decode_kv_bytes_read(*case.decode_args(out), config, window_left=window_left)
+        assert_close(out, decode_reference(case, window_left=window_left)[0], case.dtype)
+        visible = sum(min(n, window_left + 1) for n in lens)
+        assert read == 2 * visible * kv_heads * head_size * case.key_cache.element_size()
+        reads.append(read)
+    assert reads[0] == reads[1]
+
+
+def test_decode_cascade_merge():
+    # The cascade identity on the emulator's kernels alone: decode over a sequence equals the merge
+    # of decode over its first part (a shared prefix) and over the rest, through their lses.
+    bs, prefix = 16, 64
+    case = make_case([200, 100], num_heads=8, num_kv_heads=2, head_size=64, block_size=bs, dtype=torch.float32, seed=4)
+    full = nan_like(case.query)
+    emu.decode_attention(*case.decode_args(full))
+    parts = []
+    for table, lens in ((case.block_tables[:, :prefix // bs], [prefix] * 2),
+                        (case.block_tables[:, prefix // bs:].contiguous(), [200 - prefix, 100 - prefix])):
+        out, lse = nan_like(case.query), torch.full((2, 8), float("nan"))
+        emu.decode_attention(out, case.query, case.key_cache, case.value_cache, table.contiguous(),
+                             torch.tensor(lens, dtype=torch.int32), case.scale, lse=lse)
+        parts += [out, lse]
+    merged, merged_lse = nan_like(case.query), torch.full((2, 8), float("nan"))
+    emu.merge_attention_states(merged, merged_lse, *parts)
+    assert_close(merged, full.double(), torch.float32)
+    ref_lse = decode_reference(case)[1]
+    assert_close(merged_lse, ref_lse, torch.float32)
+
+
+# ---- merge_attention_states ------------------------------------------------------------------------
+def merge_inputs(num_tokens, num_heads, head_size, dtype, seed, special=True):
+    g = torch.Generator().manual_seed(seed)
+    rows = lambda: torch.randn(num_tokens, num_heads, head_size, generator=g).to(dtype)  # noqa: E731
+    a = torch.randn(num_tokens, num_heads, generator=g) * 5
+    b = torch.randn(num_tokens, num_heads, generator=g) * 5
+    if special and num_tokens >= 3:
+        a[0, 0] = -math.inf                  # the prefix contributes nothing
+        b[1, 0] = -math.inf                  # the suffix contributes nothing
+        a[2, 0] = b[2, 0] = -math.inf        # neither: NaN row, lse -inf
+        a[0, -1], b[0, -1] = 80.0, -80.0     # far apart: no overflow
+    return rows(), a, rows(), b
+
+
+def check_merge(out, out_lse, po, a, so, b):
+    emu.merge_attention_states(out, out_lse, po, a, so, b)
+    ref = torch.empty(out.shape, dtype=torch.float64)
+    ref_lse = torch.empty(a.shape, dtype=torch.float64)
+    reference.merge_attention_states(ref, ref_lse, po, a, so, b)
+    nan_rows = ref.isnan()
+    assert torch.equal(out.isnan(), nan_rows)
+    if out.numel():
+        assert_close(out[~nan_rows], ref[~nan_rows], out.dtype)
+    if out_lse is not None:
+        assert torch.equal(out_lse.isinf(), ref_lse.isinf())
+        finite = ref_lse.isfinite()
+        assert_close(out_lse[finite], ref_lse[finite], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [8, 64, 80, 256])
+def test_merge_attention_states(dtype, head_size):
+    po, a, so, b = merge_inputs(7, 3, head_size, dtype, seed=head_size)
+    check_merge(torch.full_like(po, float("nan")), torch.full_like(a, float("nan")), po, a, so, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_strided_and_unaligned(dtype):
+    # Rows that are not 8-element aligned (odd offsets, odd strides) take element loads; a head size
+    # that is not a multiple of 8 ends in a partial chunk; out_lse may be omitted.
+    po, a, so, b = merge_inputs(5, 4, 24, dtype, seed=1)
+    wide = lambda t: torch.full((5, 4, 31), float("nan"), dtype=dtype)[..., 3:27].copy_(t)  # noqa: E731
+    po, so = wide(po), wide(so)
+    out = torch.full((6, 4, 29), float("nan"), dtype=dtype)[1:, :, 1:25]
+    check_merge(out, None, po, a, so, b)
+    po, a, so, b = merge_inputs(4, 2, 13, dtype, seed=2)
+    check_merge(torch.full_like(po, float("nan")), torch.full_like(a, float("nan")), po, a, so, b)
+
+
+def test_merge_lse_only():
+    # head_size 0: nothing to merge but the lses, which are still written.
+    po, a, so, b = merge_inputs(3, 2, 0, torch.float32, seed=3)
+    out_lse = torch.full_like(a, float("nan"))
+    check_merge(torch.empty(3, 2, 0), out_lse, po, a, so, b)
+
+
+# ---- the batch-invariant mode --------------------------------------------------------------------
+# kernels/plan.h kBatchInvariantPartition: contexts past it split into fixed-size partitions.
+BI_PARTITION = 256
+
+
+def bi_decode(case, ops=emu, **variants):
+    out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
+    ops.decode_attention(*case.decode_args(out), **variants, lse=lse, batch_invariant=True)
+    return out, lse
+
+
+def subcase(case, rows):
+    """The same sequences (same cache, same block-table rows) as a decode batch of `rows`, in that order."""
+    idx = torch.tensor(rows)
+    return dataclasses.replace(case, query=case.query[idx].contiguous(), block_tables=case.block_tables[idx].contiguous(),
+                               seq_lens=case.seq_lens[idx].contiguous(),
+                               cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("group", [2, 16])
+@pytest.mark.parametrize("variant", ["plain", "all"])
+def test_batch_invariant_decode_across_batches(launch_config, group, variant):
+    # Sequence 2 (3 partitions of 256) alone, among short ones, among longer ones, at another index,
+    # and under launch configurations that would change the split outside the mode: same bits.
+    case = make_case([5, 1000, 600, 40, 257, 1], num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=torch.bfloat16, seed=group)
+    kw = variant_args(2 * group, **(VARIANTS["all"] if variant == "all" else {}))
+    want_out, want_lse = bi_decode(subcase(case, [2]), **kw)
+    assert_close(want_out, decode_reference(subcase(case, [2]), **kw)[0], case.dtype)
+    for rows, ops in (([0, 1, 2, 3, 4, 5], emu), ([2, 4], emu), ([3, 2], launch_config(force_split=1, partition=16)),
+                      ([5, 0, 2], launch_config(partition=-1, threads=256)), ([1, 2], launch_config(threads=64))):
+        out, lse = bi_decode(subcase(case, rows), ops, **kw)
+        i = rows.index(2)
+        assert torch.equal(out[i], want_out[0]) and torch.equal(lse[i], want_lse[0]), rows
+
+
+@pytest.mark.parametrize("group", [4, 16])
+@pytest.mark.parametrize("variant", ["plain", "softcap", "window", "all"])
+def test_batch_invariant_prefill_rows_equal_decode(group, variant):
+    # Chunked prefill in the mode: each query row of a prefill chunk (any q_len, any position in a
+    # batch of other sequences) is bitwise the decode of its sequence cut at the row's position.
+    kw = variant_args(2 * group, seed=7, **(VARIANTS[variant] if variant != "plain" else {}))
+    seq_lens, q_lens = [300, 9, 560, 20], [5, 9, 3, 0]
+    case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=torch.float16, seed=group)
+    out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
+    emu.prefill_attention(*case.prefill_args(out), **kw, lse=lse, batch_invariant=True)
+    ref = case.reference_prefill() if variant == "plain" else None
+    if ref is not None:
+        assert_close(out, ref, case.dtype)
+    # Every row as a decode: one sequence per row, seq_len = position + 1, same block-table row.
+    rows = [(s, n - q + i) for s, (n, q) in enumerate(zip(seq_lens, q_lens)) for i in range(q)]
+    seq = torch.tensor([s for s, _ in rows])
+    dec = dataclasses.replace(case, block_tables=case.block_tables[seq].contiguous(),
+                              seq_lens=torch.tensor([p + 1 for _, p in rows], dtype=torch.int32),
+                              cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32))
+    dec_out, dec_lse = bi_decode(dec, **kw)
+    assert torch.equal(out, dec_out) and torch.equal(lse, dec_lse)
+    assert_close(dec_out, decode_reference(dec, **kw)[0], case.dtype)
+
+
+def test_batch_invariant_prefill_non_causal():
+    # Non-causal rows in the mode (every row sees the whole sequence, the window from its position).
+    case = make_case([300, 30], q_lens=[4, 30], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=torch.float32, seed=3)
+    for kw in (dict(), dict(window_left=20, sinks=torch.randn(4), softcap=2.0)):
+        out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
+        emu.prefill_attention(*case.prefill_args(out, causal=False), **kw, lse=lse, batch_invariant=True)
+        ref, ref_lse = torch.empty(case.query.shape, dtype=torch.float64), torch.empty(case.query.shape[:2],
+                                                                                        dtype=torch.float64)
+        args = case._on_cpu_in_float64(case.prefill_args(ref, causal=False))
+        reference.prefill_attention(*args, **kw, lse=ref_lse)
+        assert_close(out, ref, case.dtype)
+        assert_close(lse, ref_lse, torch.float32)
 
 
 # ---- prefill -----------------------------------------------------------------------------------

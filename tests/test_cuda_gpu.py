@@ -14,6 +14,7 @@ import torch
 
 import paged_ops
 from paged_ops.testing import FP8_DTYPES as FP8
+from paged_ops import reference
 from paged_ops.testing import assert_close, make_case, nan_like
 
 DEVICES = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -42,11 +43,11 @@ class configured:
         assert set(kw) <= set(CONFIG_FIELDS), f"unknown launch config keys {set(kw) - set(CONFIG_FIELDS)}"
         self.config = [kw.get(k, 0) for k in CONFIG_FIELDS]
 
-    def decode_attention(self, *args):
-        torch.ops.paged_cuda_test.decode_attention_config(*args, self.config)
+    def decode_attention(self, *args, **variants):
+        torch.ops.paged_cuda_test.decode_attention_config(*args, self.config, **variants)
 
-    def prefill_attention(self, *args):
-        torch.ops.paged_cuda_test.prefill_attention_config(*args, self.config)
+    def prefill_attention(self, *args, **variants):
+        torch.ops.paged_cuda_test.prefill_attention_config(*args, self.config, **variants)
 
 
 def check_decode(case, ops=None):
@@ -130,6 +131,96 @@ def test_tuner_records_and_uses_config(device, tmp_path, monkeypatch):
     assert cuda_tuning.tuned_config_for_prefill(case.query, case.key_cache, case.block_tables,
                                                 case.max_seqlen_q) == pcfg
     check_prefill(case)
+
+
+# ---- the attention variants, merge_attention_states and the batch-invariant mode (issue #13) -------
+def variant_args(num_heads, device, seed=0, softcap=0.0, window_left=-1, sinks=False, alibi=False):
+    g = torch.Generator().manual_seed(1000 + seed)
+    kw = dict(softcap=softcap, window_left=window_left)
+    if sinks:
+        kw["sinks"] = (torch.randn(num_heads, generator=g) * 2).to(device)
+    if alibi:
+        kw["alibi_slopes"] = (torch.rand(num_heads, generator=g) * 0.25).to(device)
+    return kw
+
+
+def decode_with_lse(case, ops, **kw):
+    out = nan_like(case.query)
+    lse = torch.full(case.query.shape[:2], float("nan"), device=case.device)
+    ops.decode_attention(*case.decode_args(out), **kw, lse=lse)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+def decode_reference(case, **kw):
+    ref = torch.empty(case.query.shape, dtype=torch.float64)
+    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
+    kw = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    reference.decode_attention(*case._on_cpu_in_float64(case.decode_args(ref)), **kw, lse=lse)
+    return ref, lse
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", ""])
+@pytest.mark.parametrize("group,variant", [
+    (4, dict(softcap=2.0)), (4, dict(window_left=100)), (2, dict(sinks=True)), (16, dict(alibi=True)),
+    (7, dict(softcap=3.0, window_left=300, sinks=True, alibi=True)),
+    (32, dict(softcap=3.0, window_left=70, sinks=True, alibi=True))])
+def test_decode_variants(device, split, group, variant):
+    case = to_device(make_case([1, 63, 64, 65, 2000], num_heads=2 * group, num_kv_heads=2, head_size=128,
+                               block_size=16, dtype=torch.bfloat16, seed=group), device)
+    kw = variant_args(2 * group, device, seed=group, **variant)
+    out, lse = decode_with_lse(case, configured(split), **kw)
+    ref, ref_lse = decode_reference(case, **kw)
+    assert_close(out, ref, case.dtype)
+    assert_close(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_attention_states(device, dtype):
+    g = torch.Generator().manual_seed(0)
+    po, so = (torch.randn(33, 4, 128, generator=g).to(dtype).to(device) for _ in range(2))
+    a, b = (torch.randn(33, 4, generator=g).mul(5).to(device) for _ in range(2))
+    a[0, 0] = float("-inf")
+    b[1, 0] = float("-inf")
+    out, out_lse = nan_like(po), torch.full_like(a, float("nan"))
+    gpu().merge_attention_states(out, out_lse, po, a, so, b)
+    torch.cuda.synchronize()
+    ref, ref_lse = torch.empty(po.shape, dtype=torch.float64), torch.empty(a.shape, dtype=torch.float64)
+    reference.merge_attention_states(ref, ref_lse, po.cpu(), a.cpu(), so.cpu(), b.cpu())
+    assert_close(out, ref, dtype)
+    assert_close(out_lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("group", [4, 16])
+def test_batch_invariant(device, group):
+    # A row's out and lse are bitwise the same alone, in other batches (that split or not, under
+    # configurations that change the plan outside the mode) and as rows of a chunked prefill.
+    import dataclasses
+    case = to_device(make_case([5, 3000, 1500, 40], q_lens=[1, 1, 7, 1], num_heads=2 * group, num_kv_heads=2,
+                               head_size=128, block_size=16, dtype=torch.bfloat16, seed=group), device)
+    kw = variant_args(2 * group, device, seed=1, softcap=3.0, window_left=1000, sinks=True, alibi=True)
+    rows = [(s, n - q + i) for s, (n, q) in enumerate(zip([5, 3000, 1500, 40], [1, 1, 7, 1])) for i in range(q)]
+    seq = torch.tensor([s for s, _ in rows], device=device)
+    dec = dataclasses.replace(case, block_tables=case.block_tables[seq].contiguous(),
+                              seq_lens=torch.tensor([p + 1 for _, p in rows], dtype=torch.int32, device=device),
+                              cu_seqlens_q=torch.arange(len(rows) + 1, dtype=torch.int32, device=device))
+    want_out, want_lse = decode_with_lse(dec, gpu(), **kw, batch_invariant=True)
+    ref, _ = decode_reference(dec, **kw)
+    assert_close(want_out, ref, case.dtype)
+    out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"), device=device)
+    gpu().prefill_attention(*case.prefill_args(out), **kw, lse=lse, batch_invariant=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for pick, split in (([4], ""), ([9, 4, 0], "force_split=1,partition=64"), ([4, 1], "partition=-1,threads=256")):
+        idx = torch.tensor(pick, device=device)
+        sub = dataclasses.replace(dec, query=dec.query[idx].contiguous(), block_tables=dec.block_tables[idx].contiguous(),
+                                  seq_lens=dec.seq_lens[idx].contiguous(),
+                                  cu_seqlens_q=torch.arange(len(pick) + 1, dtype=torch.int32, device=device))
+        o, l = decode_with_lse(sub, configured(split), **kw, batch_invariant=True)  # noqa: E741
+        assert torch.equal(o, want_out[idx]) and torch.equal(l, want_lse[idx]), pick
 
 
 if not DEVICES:

@@ -39,6 +39,7 @@ struct Target {
   // The launch configuration of a call that names none: the tuned one for its shape (GPU), or
   // null for the kernels' defaults.
   LaunchConfig (*tuned_config)(const AttentionParams& p, bool decode);
+  const MergeLauncher* merge;
 };
 
 // An explicit configuration (the test namespace's *_config ops), else the target's choice.
@@ -105,10 +106,6 @@ inline AttentionParams attention_params(const Tensor& out, const Tensor& query, 
                                         const Tensor* cu_seqlens_q, int64_t max_seqlen_q, double scale, bool causal,
                                         const OptTensor& k_scale, const OptTensor& v_scale,
                                         const AttentionVariants& variants, int num_sms) {
-  // TODO(#13, cuda): the variants in the kernels; until then only the plain call runs here.
-  TORCH_CHECK_NOT_IMPLEMENTED(variants.softcap == 0 && variants.window_left < 0 && !variants.sinks &&
-                                  !variants.alibi_slopes && !variants.lse && !variants.batch_invariant,
-                              "paged_cuda: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant not yet implemented");
   AttentionParams p{};
   set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
   p.out = out.data_ptr();
@@ -163,7 +160,44 @@ inline void prefill_attention(const Target& tgt, const LaunchConfig* cfg, Tensor
   const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
                                              &cu_seqlens_q, max_seqlen_q, scale, causal, k_scale, v_scale,
                                              variants, tgt.num_sms);
+  if (p.batch_invariant) {
+    // Every row through the decode kernel (kernels/decode.cuh "Rows"): a causal row at position p
+    // computes exactly what a decode of seq_len p + 1 does, so chunked prefill and decode give the
+    // same bits. The kernel finds each row's sequence in cu_seqlens_q itself: no host sync.
+    const DecodePlan plan = plan_decode(p, LaunchConfig{});
+    Tensor workspace = at::empty({int64_t(plan.workspace_floats)}, query.options().dtype(at::kFloat));
+    (*tgt.decode)(p, plan, workspace.data_ptr<float>(), tgt.stream);
+    return;
+  }
   (*tgt.prefill)(p, plan_prefill(p, resolve_config(tgt, cfg, p, /*decode=*/false)), tgt.stream);
+}
+
+// Rows [num_tokens, num_heads, head_size] by strides; vector loads when every row start allows.
+inline void merge_attention_states(const Target& tgt, Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
+                                   const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse) {
+  if (out.size(0) == 0 || out.size(1) == 0) return;
+  MergeParams p{};
+  p.out = out.data_ptr();
+  p.out_lse = out_lse ? out_lse->data_ptr<float>() : nullptr;
+  p.prefix_out = prefix_out.data_ptr();
+  p.prefix_lse = prefix_lse.data_ptr<float>();
+  p.suffix_out = suffix_out.data_ptr();
+  p.suffix_lse = suffix_lse.data_ptr<float>();
+  p.o_stride_token = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.prefix_stride_token = prefix_out.stride(0);
+  p.prefix_stride_head = prefix_out.stride(1);
+  p.suffix_stride_token = suffix_out.stride(0);
+  p.suffix_stride_head = suffix_out.stride(1);
+  p.dtype = dtype_code(out.scalar_type());
+  p.num_tokens = out.size(0);
+  p.num_heads = int_size(out.size(1), "num_heads");
+  p.head_size = int_size(out.size(2), "head_size");
+  p.aligned = p.head_size % 8 == 0 && chunk_aligned(p.out, p.dtype, {p.o_stride_token, p.o_stride_head}) &&
+              chunk_aligned(p.prefix_out, p.dtype, {p.prefix_stride_token, p.prefix_stride_head}) &&
+              chunk_aligned(p.suffix_out, p.dtype, {p.suffix_stride_token, p.suffix_stride_head});
+  p.max_blocks = std::max(tgt.num_sms, 1) * 8;
+  (*tgt.merge)(p, tgt.stream);
 }
 
 inline void reshape_and_cache(const Target& tgt, const Tensor& key, const Tensor& value, Tensor& key_cache,

@@ -49,7 +49,8 @@ paged::LaunchConfig tuned(const paged::AttentionParams& p, bool decode) {
 B::Target target(const at::Device& device) {
   const int index = device.index() >= 0 ? device.index() : c10::cuda::current_device();
   return B::Target{&paged::kCudaDecode, &paged::kCudaPrefill, &paged::kCudaCache,
-                   c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes, tuned};
+                   c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes, tuned,
+                   &paged::kCudaMerge};
 }
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
@@ -84,6 +85,11 @@ void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache
                        const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   prefill_attention_with(nullptr, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                          max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
+}
+void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out, const Tensor& prefix_lse,
+                            const Tensor& suffix_out, const Tensor& suffix_lse) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  B::merge_attention_states(target(out.device()), out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   const c10::cuda::CUDAGuard guard(input.device());
@@ -142,6 +148,7 @@ TORCH_LIBRARY_IMPL(paged_cuda, CUDA, m) {
   m.impl("reshape_and_cache", &paged_cuda::reshape_and_cache);
   m.impl("decode_attention", &paged_cuda::decode_attention);
   m.impl("prefill_attention", &paged_cuda::prefill_attention);
+  m.impl("merge_attention_states", &paged_cuda::merge_attention_states);
   m.impl("quantize_fp8", &paged_cuda::quantize_fp8);
   m.impl("dequantize_fp8", &paged_cuda::dequantize_fp8);
   m.impl("copy_blocks", &paged_cuda::copy_blocks);

@@ -28,7 +28,7 @@ void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream) { std::
 // What the GPU heuristics see on the emulator: an H100-sized device (132 SMs), so the emulated
 // launches take the same decisions (one-pass vs split-KV) as the GPU would at the same shapes.
 const B::Target kTarget{&paged::kEmuDecode, &paged::kEmuPrefill, &paged::kEmuCache, nullptr, 132, copy_bytes,
-                        nullptr};
+                        nullptr, &paged::kEmuMerge};
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                        const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
@@ -46,6 +46,10 @@ void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache
                        const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   B::prefill_attention(kTarget, nullptr, out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                        max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
+}
+void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out, const Tensor& prefix_lse,
+                            const Tensor& suffix_out, const Tensor& suffix_lse) {
+  B::merge_attention_states(kTarget, out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) { B::quantize_fp8(kTarget, out, input, scale); }
 void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
@@ -81,13 +85,14 @@ void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& ke
 // live tokens to prove each KV token is read once per query group.
 int64_t decode_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config) {
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config,
+                             int64_t window_left) {
   auto range = [](const Tensor& t) { return std::make_pair(t.storage().data(), t.storage().nbytes()); };
   const auto k = range(key_cache), v = range(value_cache);
   paged::emu_load_watch_begin(k.first, k.second, v.first, v.second);
   try {
     decode_attention_config(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                            config, 0.0, -1, std::nullopt, std::nullopt, std::nullopt, false);
+                            config, 0.0, window_left, std::nullopt, std::nullopt, std::nullopt, false);
   } catch (...) {
     paged::emu_load_watch_end();
     throw;
@@ -104,6 +109,7 @@ TORCH_LIBRARY_IMPL(paged_cuda_emu, CPU, m) {
   m.impl("reshape_and_cache", &paged_cuda_emu::reshape_and_cache);
   m.impl("decode_attention", &paged_cuda_emu::decode_attention);
   m.impl("prefill_attention", &paged_cuda_emu::prefill_attention);
+  m.impl("merge_attention_states", &paged_cuda_emu::merge_attention_states);
   m.impl("quantize_fp8", &paged_cuda_emu::quantize_fp8);
   m.impl("dequantize_fp8", &paged_cuda_emu::dequantize_fp8);
   m.impl("copy_blocks", &paged_cuda_emu::copy_blocks);
@@ -120,7 +126,8 @@ TORCH_LIBRARY(paged_cuda_emu_test, m) {
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
         "Tensor? k_scale, Tensor? v_scale, int[] config, " PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()");
   m.def("decode_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config) -> int");
+        "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config, "
+        "int window_left=-1) -> int");
 }
 
 TORCH_LIBRARY_IMPL(paged_cuda_emu_test, CPU, m) {

@@ -38,6 +38,22 @@
 // so the context is cut into partitions of `partition_size` tokens along gridDim.z; each writes a
 // normalised partial output plus its (max, sum) to a float32 workspace and decode_reduce_kernel
 // merges them with log-sum-exp weights. Partitions past a sequence's length exit at once.
+// Partitions are aligned to multiples of partition_size from the row's first visible key's
+// partition, so a given key range is always cut the same way.
+//
+// Variants (paged_ops/reference.py attention), all runtime values uniform over a launch:
+//  * window_left: a row sees keys [p - window_left, p]; the KV loop starts at the first visible
+//    key (blocks before it are never read), and the plan sizes the partitions by the window, so
+//    the cost is O(window), not O(context);
+//  * softcap: q is then pre-scaled by `scale` only, and s = softcap * log2(e) * tanh(s / softcap)
+//    moves the capped score into the log2 domain; alibi_slopes add slope * log2(e) * (j - p);
+//  * sinks: one more logit per head in the denominator, added once where the row's state is final
+//    (merge_and_store in one pass, the reduce kernel after a split);
+//  * lse: ln of the denominator, (m + log2 l) * ln 2, written where the output is.
+// Rows. Decode has one row per sequence (p = seq_len - 1). With p.cu_seqlens_q set, the rows are
+// prefill_attention's query rows (the batch-invariant mode runs prefill through this kernel): a
+// row finds its sequence by binary search over cu_seqlens_q, p = seq_len - q_len + i, and a causal
+// row sees keys < p + 1 — exactly a decode of seq_len p + 1, so both give the same bits.
 #pragma once
 #include "kernels/common.cuh"
 #include "kernels/params.h"
@@ -52,13 +68,111 @@ namespace decode {
 
 // ---- stages shared by both kernels ------------------------------------------------------------
 
-// This lane's 8 dims of `gcount` query heads from `head0`, pre-scaled into the log2 domain; zeros
+constexpr float kLn2 = 0.6931471805599453f;
+
+// The query row a block serves and the keys it sees: [begin, end).
+struct RowSpan {
+  int64_t seq;  // its sequence: block-table row and seq_lens entry
+  int pos;      // the query's position p
+  int begin, end;
+};
+
+__device__ __forceinline__ RowSpan row_span(const AttentionParams& p, int64_t row) {
+  RowSpan r;
+  int seq_len;
+  if (p.cu_seqlens_q) {
+    // The last s with cu_seqlens_q[s] <= row: a sequence with no rows shares its start with the
+    // next, and the last of them is the one that owns the row.
+    int64_t lo = 0, hi = p.num_seqs - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (p.cu_seqlens_q[mid] <= row) lo = mid;
+      else hi = mid - 1;
+    }
+    r.seq = lo;
+    seq_len = p.seq_lens[lo];
+    const int q0 = p.cu_seqlens_q[lo], q_len = p.cu_seqlens_q[lo + 1] - q0;
+    r.pos = seq_len - q_len + int(row - q0);
+    r.end = p.causal ? r.pos + 1 : seq_len;
+  } else {
+    r.seq = row;
+    seq_len = p.seq_lens[row];
+    r.pos = seq_len - 1;
+    r.end = seq_len;
+  }
+  const int64_t first = int64_t(r.pos) - p.window_left;
+  r.begin = p.window_left >= 0 && first > 0 ? int(first) : 0;
+  return r;
+}
+
+// The first token of the row's first partition: partitions are aligned to multiples of
+// partition_size, so the same key range is always cut the same way (the batch-invariant mode).
+__device__ __forceinline__ int64_t first_partition_token(const RowSpan& r, int partition_size) {
+  return int64_t(r.begin / partition_size) * partition_size;
+}
+__device__ __forceinline__ int row_partitions(const RowSpan& r, int partition_size) {
+  return int((r.end - first_partition_token(r, partition_size) + partition_size - 1) / partition_size);
+}
+
+// Keys [start, end) of partition `part` of the row (all of them in one pass); empty when the row
+// needs fewer partitions than the grid has.
+__device__ __forceinline__ void partition_keys(const RowSpan& r, bool split, int partition_size, int part, int& start,
+                                               int& end) {
+  if (!split) {
+    start = r.begin;
+    end = r.end;
+    return;
+  }
+  const int64_t lo = first_partition_token(r, partition_size) + int64_t(part) * partition_size;
+  const int64_t hi = lo + partition_size;
+  start = int(lo > r.begin ? (lo < r.end ? lo : r.end) : r.begin);
+  end = int(hi < r.end ? hi : r.end);
+}
+
+// q's pre-scale: into the log2 domain at once, or (soft-cap) the natural one, which the cap needs.
+__device__ __forceinline__ float query_multiplier(const AttentionParams& p) {
+  return p.softcap > 0.f ? p.scale : p.scale * kLog2e;
+}
+
+// The score modifications after q . k, per lane for its G heads: soft-cap, then ALiBi, leaving the
+// score in the log2 domain.
+template <int G>
+struct ScoreMod {
+  float cap, cap_log2;  // softcap, softcap * log2(e); cap = 0: none
+  float slope[G];       // ALiBi slope * log2(e) of each head; alibi = false: none
+  bool alibi;
+  int pos;
+  __device__ __forceinline__ void init(const AttentionParams& p, int head0, int gcount, int position) {
+    cap = p.softcap;
+    cap_log2 = p.softcap * kLog2e;
+    alibi = p.alibi_slopes != nullptr;
+    pos = position;
+#pragma unroll
+    for (int g = 0; g < G; ++g) slope[g] = alibi && g < gcount ? p.alibi_slopes[head0 + g] * kLog2e : 0.f;
+  }
+  // s: the G heads' scores of key t.
+  __device__ __forceinline__ void apply(float (&s)[G], int t, int gcount) const {
+    if (cap > 0.f) {
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        if (g < gcount) s[g] = cap_log2 * tanhf(s[g] / cap);
+    }
+    if (alibi) {
+      const float distance = float(t - pos);  // j - p, exact below 2^24
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        if (g < gcount) s[g] += slope[g] * distance;
+    }
+  }
+};
+
+// This lane's 8 dims of `gcount` query heads from `head0`, pre-scaled (query_multiplier); zeros
 // for the heads past gcount and for idle lanes.
 template <typename T, int G>
-__device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& p, int64_t seq, int head0, int gcount,
+__device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& p, int64_t row, int head0, int gcount,
                                        int d0, bool active) {
-  const float qmul = p.scale * kLog2e;
-  const T* qrow = static_cast<const T*>(p.query) + seq * p.q_stride_token + d0;
+  const float qmul = query_multiplier(p);
+  const T* qrow = static_cast<const T*>(p.query) + row * p.q_stride_token + d0;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
@@ -130,13 +244,26 @@ struct OnlineSoftmax {
   }
 };
 
-// Where a block's results go: the output (one pass) or its split-KV partition's workspace rows.
+// Where a block's results go: the output row (one pass) or its split-KV partition's workspace rows.
 struct Dest {
-  int64_t seq;
+  int64_t row;
   int part, num_partitions;
+  bool split;
   float* tmp_out;
   float* tmp_ml;
 };
+
+// The row's final state (m, l, acc in the log2 domain) with the head's sink added: one more term
+// exp2(sink * log2 e) in the denominator, none in the numerator. m = -inf (no key) gives out 0.
+__device__ __forceinline__ void add_sink(const AttentionParams& p, int head, float& M, float& L, float& A) {
+  if (!p.sinks) return;
+  const float s2 = p.sinks[head] * kLog2e;
+  const float Mf = fmaxf(M, s2);
+  const float r = exp2f(M - Mf);
+  L = L * r + exp2f(s2 - Mf);
+  A *= r;
+  M = Mf;
+}
 
 // Merges the token groups' states through shared memory `sm` (merge_floats(ntg, gstride, D)) and
 // writes the block's `nheads` heads from `head0`. Token groups are numbered tile-major: the head tile
@@ -177,10 +304,12 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
       A += w * sacc[size_t(j * gstride + g) * D + d];
     }
     const int head = head0 + h;
-    if (o.num_partitions == 1) {
-      static_cast<T*>(p.out)[o.seq * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A / L);
+    if (!o.split) {
+      add_sink(p, head, M, L, A);
+      static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A / L);
+      if (p.lse && d == 0) p.lse[o.row * p.num_heads + head] = (M + log2f(L)) * kLn2;
     } else {
-      const size_t row = (size_t(o.seq) * p.num_heads + head) * o.num_partitions + o.part;
+      const size_t row = (size_t(o.row) * p.num_heads + head) * o.num_partitions + o.part;
       o.tmp_out[row * D + d] = A / L;
       if (d == 0) {
         o.tmp_ml[row * 2] = M;
@@ -192,19 +321,20 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
 
 // ---- group <= 8: KV streamed into registers ----------------------------------------------------
 template <typename T, typename KV, int TPT, int kGroupTile>
-__global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int partition_size, int num_partitions,
-                                                      float* tmp_out, float* tmp_ml, bool k_aligned, bool v_aligned) {
+__global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool split, int partition_size,
+                                                      int num_partitions, float* tmp_out, float* tmp_ml, bool k_aligned,
+                                                      bool v_aligned) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
   const int group = p.num_heads / p.num_kv_heads;  // <= kGroupTile: the whole group
-  // Sequences on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
+  // Rows on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
   const int kvh = blockIdx.y;
-  const int64_t seq = blockIdx.x;
+  const int64_t row = blockIdx.x;
   const int part = blockIdx.z;
-  const int seq_len = p.seq_lens[seq];
-  const int64_t start64 = num_partitions > 1 ? int64_t(part) * partition_size : 0;
-  if (start64 >= seq_len) return;  // whole block leaves together: no barrier is skipped by a subset
-  const int start = int(start64);
-  const int end = num_partitions > 1 ? int(min(int64_t(seq_len), start64 + partition_size)) : seq_len;
+  const RowSpan rs = row_span(p, row);
+  int start, end;
+  partition_keys(rs, split, partition_size, part, start, end);
+  if (start >= end) return;  // whole block leaves together: no barrier is skipped by a subset
+  const int64_t seq = rs.seq;
   const int D = p.head_size;
 
   constexpr int kGroupsPerWarp = 32 / TPT;
@@ -217,7 +347,9 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
   const int head0 = kvh * group;
 
   float q[kGroupTile][8];
-  load_q<T>(q, p, seq, head0, group, d0, active);
+  load_q<T>(q, p, row, head0, group, d0, active);
+  ScoreMod<kGroupTile> mod;
+  mod.init(p, head0, group, rs.pos);
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
@@ -249,6 +381,7 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
     float s[kGroupTile];
     compute_qk(q, k, s, group, TPT);
     if (valid) {
+      mod.apply(s, base + tg, group);
       st.update_softmax(s, group);
       st.compute_pv(s, v, group);
     }
@@ -256,26 +389,27 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, int part
 
   PAGED_DYNAMIC_SMEM(float, sm, merge_floats(ntg, group, D));
   merge_and_store<T>(p, st, sm, ntg, ntg, group, tg, group, sub == 0, active, d0, head0, group,
-                     Dest{seq, part, num_partitions, tmp_out, tmp_ml});
+                     Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
 }
 
 // ---- group > 8: KV staged once per block in shared memory --------------------------------------
 // sk: the staging shape (plan_decode, kernels/plan.h).
 template <typename T, typename KV>
-__global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p, SharedKV sk, int partition_size,
-                                                                int num_partitions, float* tmp_out, float* tmp_ml) {
+__global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p, SharedKV sk, bool split,
+                                                                int partition_size, int num_partitions, float* tmp_out,
+                                                                float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
   const int group = p.num_heads / p.num_kv_heads;
-  // (sequence, head chunk) on x, chunks adjacent: see the header comment.
-  const int64_t seq = blockIdx.x / sk.n_hchunks;
+  // (row, head chunk) on x, chunks adjacent: see the header comment.
+  const int64_t row = blockIdx.x / sk.n_hchunks;
   const int hchunk = blockIdx.x % sk.n_hchunks;
   const int kvh = blockIdx.y;
   const int part = blockIdx.z;
-  const int seq_len = p.seq_lens[seq];
-  const int64_t start64 = num_partitions > 1 ? int64_t(part) * partition_size : 0;
-  if (start64 >= seq_len) return;  // whole block leaves together
-  const int start = int(start64);
-  const int end = num_partitions > 1 ? int(min(int64_t(seq_len), start64 + partition_size)) : seq_len;
+  const RowSpan rs = row_span(p, row);
+  int start, end;
+  partition_keys(rs, split, partition_size, part, start, end);
+  if (start >= end) return;  // whole block leaves together
+  const int64_t seq = rs.seq;
   const int D = p.head_size;
 
   const int tpt = sk.tpt;
@@ -295,7 +429,9 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
   const int head0 = kvh * group + hb;
 
   float q[kMaxGroupTile][8];
-  load_q<T>(q, p, seq, head0 + tile * kMaxGroupTile, gcount, d0, active);
+  load_q<T>(q, p, row, head0 + tile * kMaxGroupTile, gcount, d0, active);
+  ScoreMod<kMaxGroupTile> mod;
+  mod.init(p, head0 + tile * kMaxGroupTile, gcount, rs.pos);
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
@@ -348,6 +484,7 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
         float s[kMaxGroupTile];
         compute_qk(q, k, s, gcount, tpt);
         if (valid) {
+          mod.apply(s, c0 + r, gcount);
           st.update_softmax(s, gcount);
           st.compute_pv(s, v, gcount);
         }
@@ -358,40 +495,44 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
 
   // The staging buffers are idle now (last copies waited for, last reads behind the barrier).
   merge_and_store<T>(p, st, reinterpret_cast<float*>(smem), ntg, ntg_tile, kMaxGroupTile, tg, gcount, sub == 0,
-                     active, d0, head0, nheads, Dest{seq, part, num_partitions, tmp_out, tmp_ml});
+                     active, d0, head0, nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
 }
 
-// Log-sum-exp merge of the split-KV partials of one (sequence, query head).
+// Log-sum-exp merge of the split-KV partials of one (row, query head), in one fixed order (partition
+// 0, 1, ...), adding the head's sink once; writes the output and the lse. Every thread computes the
+// partitions' weights itself (no shared memory, so no bound on the partition count) in the same
+// order, so all of them see the same L.
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                             const float* tmp_out, const float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(128);
-  const int64_t seq = blockIdx.x;
+  const int64_t row = blockIdx.x;
   const int head = blockIdx.y;
   const int D = p.head_size;
-  const int nparts = ceil_div(p.seq_lens[seq], partition_size);  // only these were written
-  const size_t row0 = (size_t(seq) * p.num_heads + head) * num_partitions;
-  PAGED_DYNAMIC_SMEM(float, w, num_partitions);
+  const int nparts = row_partitions(row_span(p, row), partition_size);  // only these were written
+  const size_t row0 = (size_t(row) * p.num_heads + head) * num_partitions;
   float M = -INFINITY;
   for (int j = 0; j < nparts; ++j) M = fmaxf(M, tmp_ml[(row0 + j) * 2]);
-  for (int j = threadIdx.x; j < nparts; j += blockDim.x)
-    w[j] = exp2f(tmp_ml[(row0 + j) * 2] - M) * tmp_ml[(row0 + j) * 2 + 1];
-  __syncthreads();
+  const float s2 = p.sinks ? p.sinks[head] * kLog2e : -INFINITY;
+  M = fmaxf(M, s2);
   float L = 0.f;
-  for (int j = 0; j < nparts; ++j) L += w[j];
+  for (int j = 0; j < nparts; ++j) L += exp2f(tmp_ml[(row0 + j) * 2] - M) * tmp_ml[(row0 + j) * 2 + 1];
+  if (p.sinks) L += exp2f(s2 - M);
   const float inv = 1.f / L;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
-    for (int j = 0; j < nparts; ++j) o += w[j] * tmp_out[(row0 + j) * D + d];
-    static_cast<T*>(p.out)[seq * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * inv);
+    for (int j = 0; j < nparts; ++j)
+      o += exp2f(tmp_ml[(row0 + j) * 2] - M) * tmp_ml[(row0 + j) * 2 + 1] * tmp_out[(row0 + j) * D + d];
+    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * inv);
   }
+  if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = (M + log2f(L)) * kLn2;
 }
 
 // `pl`: plan_decode(p, cfg) (kernels/plan.h), computed once by the binding. `workspace` holds
 // pl.workspace_floats floats (null when that is 0).
 inline void launch(const AttentionParams& p, const DecodePlan& pl, float* workspace, Stream stream) {
   float* tmp_out = workspace;
-  float* tmp_ml = workspace ? workspace + size_t(p.num_seqs) * p.num_heads * pl.num_partitions * p.head_size : nullptr;
+  float* tmp_ml = workspace ? workspace + size_t(pl.num_rows) * p.num_heads * pl.num_partitions * p.head_size : nullptr;
   const dim3 grid(unsigned(pl.grid_x), pl.grid_y, pl.grid_z);
   dispatch_float(DType(p.dtype), [&](auto tt) {
     using T = typename decltype(tt)::type;
@@ -400,7 +541,7 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       if (pl.shared_kv) {
         auto kernel = decode_shared_kv_kernel<T, KV>;
         PAGED_ALLOW_SMEM(kernel, pl.smem);
-        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sk, pl.partition_size,
+        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sk, pl.split, pl.partition_size,
                      pl.num_partitions, tmp_out, tmp_ml);
         PAGED_CHECK_LAUNCH("decode_shared_kv_kernel");
         return;
@@ -408,8 +549,8 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       const bool ka = pl.k_aligned, va = pl.v_aligned;
       auto run = [&](auto kernel) {
         PAGED_ALLOW_SMEM(kernel, pl.smem);
-        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.partition_size, pl.num_partitions,
-                     tmp_out, tmp_ml, ka, va);
+        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.split, pl.partition_size,
+                     pl.num_partitions, tmp_out, tmp_ml, ka, va);
         PAGED_CHECK_LAUNCH("decode_kernel");
       };
       auto by_group = [&](auto tpt) {
@@ -425,9 +566,9 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       else if (pl.tpt == 16) by_group(std::integral_constant<int, 16>{});
       else by_group(std::integral_constant<int, 32>{});
     });
-    if (pl.num_partitions > 1) {
+    if (pl.split) {
       auto kernel = decode_reduce_kernel<T>;
-      PAGED_LAUNCH(kernel, dim3(unsigned(p.num_seqs), p.num_heads), dim3(128), pl.reduce_smem, stream, p, pl.partition_size,
+      PAGED_LAUNCH(kernel, dim3(unsigned(pl.num_rows), p.num_heads), dim3(128), 0, stream, p, pl.partition_size,
                    pl.num_partitions, static_cast<const float*>(tmp_out), static_cast<const float*>(tmp_ml));
       PAGED_CHECK_LAUNCH("decode_reduce_kernel");
     }

@@ -89,6 +89,25 @@ struct Fp8Params {
   int max_blocks;  // grid cap of the grid-stride loop
 };
 
+// merge_attention_states (paged_ops/reference.py): rows [num_tokens, num_heads, head_size] by
+// strides (last dim contiguous), log-sum-exps float32 [num_tokens, num_heads] contiguous.
+struct MergeParams {
+  void* out;
+  float* out_lse;  // nullptr: not asked for
+  const void* prefix_out;
+  const float* prefix_lse;
+  const void* suffix_out;
+  const float* suffix_lse;
+  int64_t o_stride_token, o_stride_head;
+  int64_t prefix_stride_token, prefix_stride_head;
+  int64_t suffix_stride_token, suffix_stride_head;
+  DType dtype;
+  int64_t num_tokens;
+  int num_heads, head_size;
+  bool aligned;    // head_size % 8 == 0 and every row of the three tensors starts on an 8-element vector
+  int max_blocks;  // grid cap of the grid-stride loop
+};
+
 // One cache tensor of one layer for copy_blocks: base address and its element strides.
 struct CacheDesc {
   int64_t ptr;  // device address

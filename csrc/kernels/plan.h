@@ -29,7 +29,7 @@ constexpr int64_t kMaxGridYZ = 65535;
 constexpr int kMaxGroupTile = 8;
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodePartition = 512;
-constexpr int kMaxPartitions = 8192;  // keeps the reduce kernel's weights in 32 KB of smem
+constexpr int kMaxPartitions = 8192;  // bounds the split-KV workspace (outside the batch-invariant mode)
 // Shared-KV staging: KV tokens per step, and the most bytes one step's K + V rows may take
 // (two steps are resident: 64 KB, so two 128-thread blocks still fit an SM).
 constexpr int kSharedKVChunk = 64;
@@ -64,17 +64,39 @@ PAGED_HOST_DEVICE inline size_t shared_kv_smem(const SharedKV& sk, int threads, 
 
 struct DecodePlan {
   bool shared_kv;  // group > 8: decode_shared_kv_kernel
+  // Split-KV: partial results of partitions of partition_size tokens, merged by the reduce kernel.
+  // Always on in the batch-invariant mode (even for one partition), so a row's bits never depend
+  // on whether some other row made the batch split.
+  bool split;
   int threads, tpt, partition_size, num_partitions;
   int gtile;       // decode_kernel's head tile (template parameter)
   SharedKV sk;     // decode_shared_kv_kernel's shape
+  int64_t num_rows;  // query rows: num_seqs (decode), or num_tokens (prefill rows, batch-invariant mode)
   int64_t grid_x;
   int grid_y, grid_z;
-  size_t smem, reduce_smem;
+  size_t smem;
   size_t workspace_floats;  // split-KV partials: tmp_out then tmp_ml (0 = one pass, no workspace)
   bool k_aligned, v_aligned;
 };
 
-inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& cfg) {
+// The batch-invariant mode's split size in tokens: a constant, never chosen from the batch, the
+// device or a tuned configuration, so a row's partitions (and so its bits) are a function of the
+// row alone.
+constexpr int kBatchInvariantPartition = 256;
+
+// Partitions one row needs at most: its keys lie in [begin, begin + span) and partitions are
+// aligned to multiples of `part` (so the same key range always gets the same partitions), so a
+// window whose start is not on a boundary costs one partition more.
+inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
+  return (span + part - 1 + (windowed ? part - 1 : 0)) / part;
+}
+
+// p.cu_seqlens_q != nullptr: the rows are prefill_attention's query rows (one per token, each with
+// its own position; the batch-invariant mode runs prefill through this kernel), else one decode row
+// per sequence.
+inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tuned_or_given) {
+  // The batch-invariant mode ignores any configuration: a tuned one differs by batch shape.
+  const LaunchConfig cfg = p.batch_invariant ? LaunchConfig{} : tuned_or_given;
   DecodePlan pl{};
   const int threads = cfg.threads > 0 ? cfg.threads : kDecodeThreads;
   if (threads % 32 || threads > 256)
@@ -105,30 +127,44 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& cfg)
     pl.threads = tiles_per_block * sk.warps_per_tile * 32;
     pl.smem = shared_kv_smem(sk, pl.threads, p.head_size);
   }
-  pl.grid_x = p.num_seqs * hchunks;
+  pl.num_rows = p.cu_seqlens_q ? p.num_tokens : p.num_seqs;
+  pl.grid_x = pl.num_rows * hchunks;
   pl.grid_y = p.num_kv_heads;
   if (pl.grid_x > kMaxGridX || pl.grid_y > kMaxGridYZ || int64_t(p.num_heads) > kMaxGridYZ)
-    throw std::invalid_argument("paged_cuda: decode batch too large for one launch (" + std::to_string(p.num_seqs) +
-                                " sequences, " + std::to_string(p.num_heads) + " heads)");
+    throw std::invalid_argument("paged_cuda: decode batch too large for one launch (" + std::to_string(pl.num_rows) +
+                                " rows, " + std::to_string(p.num_heads) + " heads)");
   // Upper bound of any context: the block table's width (the real max would need a device sync).
   const int64_t max_ctx = p.max_blocks_per_seq * p.block_size;
-  int64_t part = cfg.partition_size > 0 ? cfg.partition_size : kDecodePartition;
-  part = std::max<int64_t>(part, (max_ctx + kMaxPartitions - 1) / kMaxPartitions);
-  const int64_t blocks = pl.grid_x * pl.grid_y;
-  const int64_t sms = std::max(p.num_sms, 1);
-  const bool split = cfg.partition_size >= 0 && max_ctx > part && (cfg.force_split || blocks < 2 * sms);
-  if (split && !cfg.force_split) {
-    // Enough partitions to give every SM ~4 blocks, no more: longer contexts get longer partitions
-    // instead, which bounds the float32 workspace (num_seqs x heads x partitions x head_size).
-    const int64_t max_parts = std::max<int64_t>(2, (4 * sms + blocks - 1) / blocks);
-    part = std::max<int64_t>(part, (max_ctx + max_parts - 1) / max_parts);
+  // The most keys one row sees: a causal row with a window sees window_left + 1 keys at most,
+  // however long its sequence, so the plan (partitions, workspace) is sized by the window.
+  const bool windowed = p.window_left >= 0 && p.causal && p.window_left + 1 < max_ctx;
+  const int64_t span = windowed ? p.window_left + 1 : max_ctx;
+  int64_t part;
+  if (p.batch_invariant) {
+    part = kBatchInvariantPartition;
+    pl.split = true;
+  } else {
+    part = cfg.partition_size > 0 ? cfg.partition_size : kDecodePartition;
+    part = std::max<int64_t>(part, (span + kMaxPartitions - 1) / kMaxPartitions);
+    const int64_t blocks = pl.grid_x * pl.grid_y;
+    const int64_t sms = std::max(p.num_sms, 1);
+    pl.split = cfg.partition_size >= 0 && span > part && (cfg.force_split || blocks < 2 * sms);
+    if (pl.split && !cfg.force_split) {
+      // Enough partitions to give every SM ~4 blocks, no more: longer contexts get longer partitions
+      // instead, which bounds the float32 workspace (rows x heads x partitions x head_size).
+      const int64_t max_parts = std::max<int64_t>(2, (4 * sms + blocks - 1) / blocks);
+      part = std::max<int64_t>(part, (span + max_parts - 1) / max_parts);
+    }
+    if (part > (int64_t(1) << 30)) part = int64_t(1) << 30;  // a context this long is one partition of many
   }
-  if (part > (int64_t(1) << 30)) part = int64_t(1) << 30;  // a context this long is one partition of many
   pl.partition_size = int(part);
-  pl.num_partitions = split ? int((max_ctx + part - 1) / part) : 1;
+  const int64_t parts = pl.split ? std::min((max_ctx + part - 1) / part, partitions_for_span(span, part, windowed)) : 1;
+  if (parts > kMaxGridYZ)
+    throw std::invalid_argument("paged_cuda: decode context too long for one launch (" + std::to_string(parts) +
+                                " partitions of " + std::to_string(part) + " tokens)");
+  pl.num_partitions = int(std::max<int64_t>(parts, 1));
   pl.grid_z = pl.num_partitions;
-  pl.reduce_smem = size_t(pl.num_partitions) * sizeof(float);
-  pl.workspace_floats = split ? size_t(p.num_seqs) * p.num_heads * pl.num_partitions * (p.head_size + 2) : 0;
+  pl.workspace_floats = pl.split ? size_t(pl.num_rows) * p.num_heads * pl.num_partitions * (p.head_size + 2) : 0;
   pl.k_aligned = key_cache_aligned(p);
   pl.v_aligned = value_cache_aligned(p);
   return pl;

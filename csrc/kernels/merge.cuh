@@ -1,0 +1,79 @@
+// merge_attention_states: attention over two disjoint key sets from attention over each (cascade /
+// shared-prefix attention, split contexts), as paged_ops/reference.py defines it:
+//   out = (e^a prefix_out + e^b suffix_out) / (e^a + e^b),  out_lse = ln(e^a + e^b)
+// with a, b the two rows' log-sum-exps, computed relative to max(a, b) so nothing overflows.
+//
+// Work split. Memory bound (two rows read, one written, no reuse), so one thread owns one 8-element
+// chunk of one (token, head) row and a grid-stride loop covers them all: consecutive threads take
+// consecutive chunks of a row, and a warp's loads are whole lines. Each thread recomputes its row's
+// two weights from the two lses (two loads every thread of the row shares through L1, two exps)
+// rather than staging them: cheaper than a barrier. Chunks are one 16-byte vector (16-bit types) or
+// two (fp32) when every row start allows it (MergeParams::aligned, decided once by the binding), else
+// element loads; a head size that is not a multiple of 8 ends in a partial chunk of element loads.
+//
+// NaN/inf, as the reference: a side with lse -inf weighs 0 (its out is still multiplied, so a NaN
+// out there stays NaN, as 0 * NaN does in the reference); both -inf give a NaN row and lse -inf;
+// a +inf or NaN lse makes the row NaN.
+#pragma once
+#include "kernels/common.cuh"
+#include "kernels/params.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace PAGED_KERNEL_NS {
+namespace merge {
+
+constexpr int kThreads = 256;
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
+  PAGED_LAUNCH_BOUNDS_CHECK(kThreads);
+  const int D = p.head_size;
+  // head_size 0 still has lses to write: one (empty) chunk per row.
+  const int chunks = D > 0 ? (D + 7) / 8 : 1;
+  const int64_t total = p.num_tokens * p.num_heads * chunks;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / chunks;  // token * num_heads + head: the lses' index (contiguous)
+    const int d0 = int(i - row * chunks) * 8;
+    const int64_t tok = row / p.num_heads;
+    const int head = int(row - tok * p.num_heads);
+    const float a = p.prefix_lse[row], b = p.suffix_lse[row];
+    // fmaxf drops a NaN operand, but the NaN then reaches its own weight: exp(NaN - m) = NaN.
+    float m = fmaxf(a, b);
+    if (m == -INFINITY) m = 0.f;  // both -inf: weights 0 and 0, so 0 / 0 = NaN and ln 0 = -inf
+    const float wa = expf(a - m), wb = expf(b - m);
+    const float total_w = wa + wb;
+    const float inv = 1.f / total_w;
+    if (d0 == 0 && p.out_lse) p.out_lse[row] = m + logf(total_w);
+    if (d0 >= D) continue;
+    const T* po = static_cast<const T*>(p.prefix_out) + tok * p.prefix_stride_token + head * p.prefix_stride_head + d0;
+    const T* so = static_cast<const T*>(p.suffix_out) + tok * p.suffix_stride_token + head * p.suffix_stride_head + d0;
+    T* o = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head + d0;
+    if (d0 + 8 <= D) {
+      float x[8], y[8], r[8];
+      load8(po, x, p.aligned);
+      load8(so, y, p.aligned);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) r[k] = (wa * x[k] + wb * y[k]) * inv;
+      store8(o, r, p.aligned);
+    } else {
+      for (int k = 0; k < D - d0; ++k) o[k] = from_float<T>((wa * to_float(po[k]) + wb * to_float(so[k])) * inv);
+    }
+  }
+}
+
+inline void launch(const MergeParams& p, Stream stream) {
+  const int64_t chunks = p.head_size > 0 ? (p.head_size + 7) / 8 : 1;
+  const int64_t total = p.num_tokens * p.num_heads * chunks;
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, std::max(p.max_blocks, 1));
+  dispatch_float(p.dtype, [&](auto tt) {
+    using T = typename decltype(tt)::type;
+    PAGED_LAUNCH(merge_kernel<T>, dim3(unsigned(blocks)), dim3(kThreads), 0, stream, p);
+    PAGED_CHECK_LAUNCH("merge_kernel");
+  });
+}
+
+}  // namespace merge
+}  // namespace PAGED_KERNEL_NS
