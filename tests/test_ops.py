@@ -318,6 +318,54 @@ def test_random_shapes_decode_and_prefill(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_random_variants(backend):
+    """The property test with the attention variants drawn too (soft-cap, window, sinks, ALiBi,
+    lse, each on or off), decode and prefill on one random batch, lse against the reference."""
+    device, small = device_of(backend), TIER[backend] == "small"
+    ops = paged_ops.backend(backend)
+
+    @settings(max_examples=FUZZ_EXAMPLES[TIER[backend]], deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(data=st.data())
+    def check(data):
+        dtype = data.draw(st.sampled_from(DTYPES), "dtype")
+        num_kv_heads = data.draw(st.integers(1, 3), "num_kv_heads")
+        num_heads = num_kv_heads * data.draw(st.sampled_from([1, 2, 4, 7]), "group")
+        seq_lens = data.draw(st.lists(st.integers(1, 48 if small else 90), min_size=1, max_size=4), "seq_lens")
+        q_lens = [data.draw(st.integers(0, n), "q_len") for n in seq_lens]
+        kw = dict(num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_size=data.draw(st.sampled_from([8, 64, 80, 128]), "head_size"),
+                  block_size=data.draw(st.sampled_from([1, 3, 8, 16]), "block_size"), dtype=dtype,
+                  cache_dtype=data.draw(st.sampled_from([dtype, E4M3, E5M2]), "cache_dtype"),
+                  layout=data.draw(st.sampled_from(["NHD", "HND"]), "layout"), device=device,
+                  seed=data.draw(st.integers(0, 99), "seed"))
+        variants = dict(softcap=data.draw(st.sampled_from([0.0, 0.5, 2.0, 30.0]), "softcap"),
+                        window_left=data.draw(st.sampled_from([-1, 0, 1, 4, 17, 60]), "window_left"),
+                        sinks=data.draw(st.booleans(), "sinks"), alibi=data.draw(st.booleans(), "alibi"))
+        with_lse = data.draw(st.booleans(), "lse")
+        for kind in ("decode", "prefill"):
+            if kind == "prefill" and sum(q_lens) == 0:
+                return
+            c = make_case(seq_lens, None if kind == "decode" else q_lens, **kw)
+            v = make_variants(num_heads, **variants, lse_rows=c.query.shape[0] if with_lse else None,
+                              seed=kw["seed"], device=device)
+            out = nan_like(c.query)
+            if kind == "decode":
+                ops.decode_attention(*c.decode_args(out), **v)
+                ref, ref_lse = c.reference_decode_lse(**v)
+            else:
+                causal = data.draw(st.booleans(), "causal")
+                ops.prefill_attention(*c.prefill_args(out, causal), **v)
+                ref, ref_lse = c.reference_prefill_lse(causal, **v)
+            sync(device)
+            assert_close(out, ref, dtype, kind)
+            if with_lse:
+                assert_lse_close(v["lse"], ref_lse, dtype, kind)
+
+    check()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_prefill_with_no_queries(backend):
     # Every q_len 0: nothing to compute, nothing read, and an empty output is fine.
     device = device_of(backend)
