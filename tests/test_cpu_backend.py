@@ -4,6 +4,7 @@ tests/test_ops.py."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ import torch
 import paged_ops
 from paged_ops import reference
 from paged_ops.testing import FP8_DTYPES as FP8
-from paged_ops.testing import assert_close, empty_cache, make_case, nan_like, poison
+from paged_ops.testing import (assert_bits_equal, assert_close, empty_cache, make_case, nan_like, poison,
+                               random_tensor)
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -226,3 +228,281 @@ def test_attention_all_minus_inf_keys_give_nan_like_the_reference(seq_len):
     assert ref[:, 4:].isnan().all() and not ref[:, :4].isnan().any()
     assert torch.equal(out.isnan(), ref.isnan())
     assert_close(out[:, :4], ref[:, :4], torch.float32)
+
+
+# --- attention variants (#13): the cpu core's own paths ---------------------------------------
+# tests/test_ops.py holds the contract grid for every backend; here: the split-KV merge with the
+# variants, the window skipping unseen blocks, the batch-invariant mode's thread counts and its
+# two ways of folding chunks (in one task, or as tasks of their own merged after), on every ISA.
+
+ISAS = list(torch.ops.paged_cpu.supported_isas())
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    previous = torch.ops.paged_cpu.set_isa(request.param)
+    yield request.param
+    torch.ops.paged_cpu.set_isa(previous)
+
+
+@pytest.fixture
+def threads():
+    """Restores the thread count a test changes."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def variant_kwargs(num_heads, softcap=0.0, window_left=-1, sinks=False, alibi=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(softcap=softcap, window_left=window_left)
+    if sinks:
+        kw["sinks"] = torch.randn(num_heads, generator=g) * 2
+    if alibi:
+        kw["alibi_slopes"] = torch.rand(num_heads, generator=g) * 0.1
+    return kw
+
+
+def reference_rows(case, kw, causal=True, decode=False):
+    """The float64 reference's out and lse for the case's query rows."""
+    ref = torch.empty(case.query.shape, dtype=torch.float64)
+    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
+    kw = {k: v for k, v in kw.items() if k != "batch_invariant"}
+    if decode:
+        reference.decode_attention(ref, case.query.double(), case.key_cache, case.value_cache, case.block_tables,
+                                   case.seq_lens, case.scale, case.k_scale, case.v_scale, lse=lse, **kw)
+    else:
+        reference.prefill_attention(ref, case.query.double(), case.key_cache, case.value_cache, case.block_tables,
+                                    case.cu_seqlens_q, case.seq_lens, case.max_seqlen_q, case.scale, causal,
+                                    case.k_scale, case.v_scale, lse=lse, **kw)
+    return ref, lse
+
+
+def run_cpu(case, kw, causal=True, decode=False):
+    out, lse = nan_like(case.query), poison(torch.empty(case.query.shape[:2]))
+    if decode:
+        cpu.decode_attention(*case.decode_args(out), lse=lse, **kw)
+    else:
+        cpu.prefill_attention(*case.prefill_args(out, causal), lse=lse, **kw)
+    return out, lse
+
+
+def assert_lse(lse, ref_lse):
+    # Each lse is ln of a sum of exps computed in fp32 with fp64 sums, whatever the query dtype.
+    assert torch.equal(lse.isneginf(), ref_lse.isneginf())
+    finite = ref_lse.isfinite()
+    assert finite.any()
+    err = (lse[finite].double() - ref_lse[finite]).abs().max().item()
+    assert err <= 1e-5 * (1 + ref_lse[finite].abs().max().item()), f"lse off by {err:.3g}"
+
+
+SPLIT_VARIANTS = [dict(softcap=2.0), dict(window_left=300), dict(sinks=True), dict(alibi=True),
+                  dict(softcap=1.5, window_left=700, sinks=True, alibi=True)]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("var", SPLIT_VARIANTS, ids=lambda v: "+".join(v))
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, torch.float8_e4m3fn)])
+def test_variants_decode_split_path(var, dtype, cache_dtype, batch_invariant):
+    # One sequence with one KV head and two threads: its KV is split across tasks (plain mode:
+    # >= 256-token splits; batch-invariant mode: 512-token chunks), so the sink must be counted
+    # once in the merge, and the lse comes out of the merge. The short second sequence never splits.
+    assert torch.get_num_threads() > 1, "the split path needs more than one thread"
+    case = make_case([3000, 9], num_heads=8, num_kv_heads=1, head_size=128, block_size=16, dtype=dtype,
+                     cache_dtype=cache_dtype, scale_kind="head")
+    kw = dict(variant_kwargs(8, seed=1, **var), batch_invariant=batch_invariant)
+    out, lse = run_cpu(case, kw, decode=True)
+    ref, ref_lse = reference_rows(case, kw, decode=True)
+    assert_close(out, ref, dtype)
+    assert_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("var", SPLIT_VARIANTS, ids=lambda v: "+".join(v))
+def test_variants_prefill_long(var, causal, batch_invariant):
+    # A long chunked prefill (query tiles of 64 / group rows, each with its own window range) next
+    # to decode rows and a sequence with no query rows; GQA group 3; fp8 e5m2 cache.
+    case = make_case([1900, 620, 40, 1], q_lens=[150, 1, 0, 1], num_heads=6, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype=torch.float16, cache_dtype=torch.float8_e5m2, seed=3)
+    kw = dict(variant_kwargs(6, seed=2, **var), batch_invariant=batch_invariant)
+    out, lse = run_cpu(case, kw, causal=causal)
+    ref, ref_lse = reference_rows(case, kw, causal=causal)
+    assert_close(out, ref, torch.float16)
+    assert_lse(lse, ref_lse)
+
+
+def test_sink_without_visible_keys_and_minus_inf_sink():
+    # Every key -inf (e5m2 0xFC, scores -inf): no sink -> NaN and lse -inf; a sink -> 0 and lse = sink,
+    # also through the split merge (600 tokens); a sink of -inf is no sink.
+    num_blocks, block_size, d = 80, 16, 64
+    kc = torch.full((num_blocks, block_size, 1, d), 1.0).to(torch.float8_e5m2)
+    kc.view(torch.uint8).fill_(0xFC)
+    vc = torch.randn(num_blocks, block_size, 1, d).to(torch.float8_e5m2)
+    tables = torch.arange(num_blocks, dtype=torch.int32).view(2, 40)
+    lens = torch.tensor([600, 40], dtype=torch.int32)
+    q = torch.rand(2, 4, d) + 0.5  # q > 0: every score -inf
+    scale = torch.tensor([0.5])
+    sinks = torch.tensor([0.5, -3.0, float("-inf"), 2.0])
+    out, lse = nan_like(q), poison(torch.empty(2, 4))
+    cpu.decode_attention(out, q, kc, vc, tables, lens, d ** -0.5, scale, scale, sinks=sinks, lse=lse)
+    assert (out[:, [0, 1, 3]] == 0).all() and out[:, 2].isnan().all()
+    assert torch.equal(lse, sinks.expand(2, 4))
+
+
+# --- the window skips what it cannot see --------------------------------------------------------
+
+def poison_outside(case, keep):
+    """A copy of the case whose caches hold NaN wherever the kernel must not read: each sequence s
+    keeps positions keep[s] = (lo, hi) and its blocks wholly outside point at a spare NaN block."""
+    bs = case.key_cache.shape[1]
+    kc, vc = case.key_cache.clone(), case.value_cache.clone()
+    nan_block = kc.shape[0]  # one more block, all NaN
+    kc = torch.cat([kc, poison(kc[:1].clone())])
+    vc = torch.cat([vc, poison(vc[:1].clone())])
+    tables = case.block_tables.clone()
+    for s, (lo, hi) in enumerate(keep):
+        n = int(case.seq_lens[s])
+        for pos in range(n):
+            if lo <= pos <= hi:
+                continue
+            b = int(tables[s, pos // bs])
+            if b == nan_block:
+                continue
+            if pos // bs < lo // bs or pos // bs > hi // bs:
+                tables[s, pos // bs] = nan_block
+            else:
+                poison(kc[b, pos % bs]), poison(vc[b, pos % bs])
+    return replace(case, key_cache=kc, value_cache=vc, block_tables=tables)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("block_size,window_left", [(16, 100), (16, 0), (7, 45), (1, 33)])
+def test_window_reads_only_the_window_decode(block_size, window_left, batch_invariant):
+    """Decode with a window: every key outside [p - window_left, p] is NaN (K and V; blocks wholly
+    outside swapped for a NaN block): a kernel that read any of them (even with probability 0:
+    0 * NaN) would give NaN. Long enough to split (plain mode) and to cross chunks (the mode)."""
+    lens = [3000, 1100, 60]
+    case = make_case(lens, num_heads=4, num_kv_heads=2, head_size=64, block_size=block_size, dtype=torch.float32)
+    kw = dict(window_left=window_left, sinks=torch.randn(4), batch_invariant=batch_invariant)
+    ref, ref_lse = reference_rows(case, kw, decode=True)
+    blind = poison_outside(case, [(max(0, n - 1 - window_left), n - 1) for n in lens])
+    out, lse = run_cpu(blind, kw, decode=True)
+    assert_close(out, ref, torch.float32)
+    assert_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_reads_only_the_window_prefill(causal, batch_invariant):
+    # A 90-row chunk at the end of 2500 tokens, window 200: nothing before the first row's window
+    # is read (and with causal, nothing after the last position, as always).
+    lens, q_lens, window = [2500, 300], [90, 1], 200
+    case = make_case(lens, q_lens, num_heads=4, num_kv_heads=1, head_size=64, block_size=16, dtype=torch.float32)
+    kw = dict(window_left=window, alibi_slopes=torch.rand(4) * 0.05, batch_invariant=batch_invariant)
+    ref, ref_lse = reference_rows(case, kw, causal=causal)
+    keep = [(n - q - window, n - 1) for n, q in zip(lens, q_lens)]
+    out, lse = run_cpu(poison_outside(case, keep), kw, causal=causal)
+    assert_close(out, ref, torch.float32)
+    assert_lse(lse, ref_lse)
+
+
+# --- batch-invariant mode -------------------------------------------------------------------------
+
+BI_VARIANTS = [dict(), dict(softcap=1.5, window_left=1300, sinks=True, alibi=True)]
+
+
+def bi_pool(dtype, cache_dtype=None):
+    # Sequence 0 is the target (2600 tokens: 6 chunks of 512); the others are neighbours.
+    return make_case([2600, 3100, 37, 1, 1500, 700], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype=dtype, cache_dtype=cache_dtype, seed=5)
+
+
+def decode_row(pool, query, seq_len, kw):
+    """Decode of the target sequence (pool row 0) at kv length seq_len with one query row."""
+    out, lse = nan_like(query[None]), poison(torch.empty(1, query.shape[0]))
+    cpu.decode_attention(out, query[None], pool.key_cache, pool.value_cache, pool.block_tables[:1],
+                         torch.tensor([seq_len], dtype=torch.int32), pool.scale, pool.k_scale, pool.v_scale,
+                         lse=lse, **kw)
+    return out[0], lse[0]
+
+
+@pytest.mark.parametrize("var", BI_VARIANTS, ids=["plain", "all"])
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, None), (torch.float16, torch.float8_e4m3fn)])
+def test_batch_invariant_threads_and_batches(isa, threads, var, dtype, cache_dtype):
+    """The target's decode row: bitwise the same alone or in batches (which change how many tasks
+    there are, so whether its chunks run as tasks of their own or folded in one task), with 1, 2
+    and 3 threads; and right."""
+    pool = bi_pool(dtype, cache_dtype)
+    kw = dict(variant_kwargs(8, seed=4, **var), batch_invariant=True)
+    mixes = [[0], [0, 1], [2, 0, 3], [4, 5, 1, 0, 2, 3], [0] + [1, 4, 5] * 6]
+    want = None
+    for n in (1, 2, 3):
+        threads(n)
+        for rows in mixes:
+            r = torch.tensor(rows)
+            out, lse = nan_like(pool.query[r]), poison(torch.empty(len(rows), 8))
+            cpu.decode_attention(out, pool.query[r], pool.key_cache, pool.value_cache, pool.block_tables[r],
+                                 pool.seq_lens[r], pool.scale, pool.k_scale, pool.v_scale, lse=lse, **kw)
+            got = (out[rows.index(0)], lse[rows.index(0)])
+            if want is None:
+                want = got
+                sub = replace_rows(pool, [0])
+                ref, ref_lse = reference_rows(sub, kw, decode=True)
+                assert_close(got[0][None], ref, dtype)
+                assert_lse(got[1][None], ref_lse)
+            assert_bits_equal(got[0], want[0], f"out, {n} threads, batch {rows}")
+            assert_bits_equal(got[1], want[1], f"lse, {n} threads, batch {rows}")
+
+
+def replace_rows(case, rows):
+    r = torch.tensor(rows)
+    cu = torch.arange(len(rows) + 1, dtype=torch.int32)
+    return replace(case, query=case.query[r], block_tables=case.block_tables[r], seq_lens=case.seq_lens[r],
+                   cu_seqlens_q=cu)
+
+
+@pytest.mark.parametrize("var", BI_VARIANTS, ids=["plain", "all"])
+def test_batch_invariant_prefill_rows_equal_decode_at_chunk_edges(isa, threads, var):
+    """Rows of causal prefills of q_len 1..130 (tiles of 16 rows at group 4, spanning chunk edges at
+    multiples of 512) == decode at each row's position, bitwise, with 1 and 3 threads: the decode
+    splits its chunks over tasks, the prefill tile folds them in one task."""
+    pool = bi_pool(torch.bfloat16)
+    kw = dict(variant_kwargs(8, seed=6, **var), batch_invariant=True)
+    g = torch.Generator().manual_seed(9)
+    target_len = 1537  # positions 1407..1536 cross the chunk edge at 1536 and the tile edges
+    rows = random_tensor((130, 8, 128), torch.bfloat16, g)
+    decoded = {}
+    for n in (1, 3):
+        threads(n)
+        for q_len in (1, 2, 17, 130):
+            q = rows[130 - q_len:]
+            # with a neighbour's decode row before and a neighbour's prefill chunk after
+            query = torch.cat([pool.query[1:2], q, random_tensor((20, 8, 128), torch.bfloat16, g)])
+            cu = torch.tensor([0, 1, 1 + q_len, 21 + q_len], dtype=torch.int32)
+            lens = torch.tensor([3100, target_len, 700], dtype=torch.int32)
+            table = pool.block_tables[torch.tensor([1, 0, 5])]
+            out, lse = nan_like(query), poison(torch.empty(query.shape[:2]))
+            cpu.prefill_attention(out, query, pool.key_cache, pool.value_cache, table, cu, lens, q_len + 20,
+                                  pool.scale, True, pool.k_scale, pool.v_scale, lse=lse, **kw)
+            for i in range(q_len):
+                position = target_len - q_len + i
+                if position not in decoded:
+                    decoded[position] = decode_row(pool, q[i], position + 1, kw)
+                assert_bits_equal(out[1 + i], decoded[position][0], f"q_len {q_len} row {i}, {n} threads")
+                assert_bits_equal(lse[1 + i], decoded[position][1], f"q_len {q_len} row {i} lse, {n} threads")
+    sub = replace_rows(pool, [0])
+    sub = replace(sub, query=rows[-1:], seq_lens=torch.tensor([target_len], dtype=torch.int32))
+    ref, ref_lse = reference_rows(sub, kw, decode=True)
+    assert_close(decoded[target_len - 1][0][None], ref, torch.bfloat16)
+
+
+def test_batch_invariant_off_is_the_plain_path_and_both_are_right():
+    # The mode changes the schedule, not the values beyond rounding: both match the reference.
+    case = make_case([2600, 50], num_heads=8, num_kv_heads=2, head_size=128, dtype=torch.float32, seed=8)
+    kw = variant_kwargs(8, softcap=3.0, sinks=True, seed=8)
+    ref, ref_lse = reference_rows(case, kw, decode=True)
+    for mode in (False, True):
+        out, lse = run_cpu(case, dict(kw, batch_invariant=mode), decode=True)
+        assert_close(out, ref, torch.float32)
+        assert_lse(lse, ref_lse)

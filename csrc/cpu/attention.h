@@ -7,6 +7,20 @@
 // either writes the normalized output or, when the sequence's KV is split across tasks, a
 // partial output plus its log-sum-exp that a second pass merges.
 //
+// The variants (paged_ops/reference.py attention): a row at position p sees keys
+// [max(0, p - window_left), causal ? p : kv_len - 1]; soft-cap and ALiBi change the scores of
+// each tile before its softmax; a sink is one more term of the row's denominator, added once,
+// when the row's parts are folded into its output (fold_part / fold_finish), which also gives
+// the row's log-sum-exp. Tiles sit on absolute multiples of kTileTokens and a task starts at
+// the first tile any of its rows sees, so a window of W keys costs O(W) whatever the context.
+//
+// Batch-invariant mode: a row's KV is cut into chunks on absolute multiples of
+// kBatchInvariantSplitTokens; each chunk is one online softmax over the same tiles, and the
+// chunks are folded in position order. Whether the chunks run in one task (folded there) or in
+// tasks of their own (folded by merge_splits), and which other rows share the tiles, changes no
+// bit of a row: the per-row arithmetic is the same code on the same values in the same order,
+// and tiles a row does not see add exact zeros.
+//
 // Sizes and positions are int64: a stride-0 view can have any size (block_size 2^32 + 16), and
 // a position near 2^31 plus a tile overflows int. The running softmax sum and output
 // accumulator are fp64: each tile is summed in fp32 registers (32 terms) and added to them, so
@@ -15,6 +29,7 @@
 #pragma once
 #include <omp.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -43,12 +58,25 @@ struct AttentionParams {
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
   bool causal;
+  // Variants (paged::AttentionVariants): softcap 0 = none, window_left -1 = none, null = absent.
+  float softcap;
+  int64_t window_left;
+  const float* sinks;         // [num_heads]
+  const float* alibi_slopes;  // [num_heads]
+  float* lse;                 // out: [total_q, num_heads], contiguous
+  bool batch_invariant;
 };
 
 inline constexpr int kTileTokens = 32;  // a multiple of 8: softmax runs on whole vectors
 // Below this many tasks per thread a long sequence is split; splits never get shorter than this.
 inline constexpr int kTasksPerThread = 4;
 inline constexpr int kMinSplitTokens = 256;
+// Batch-invariant mode's chunk of KV positions (a multiple of kTileTokens): fixed, so a row's
+// chunks depend on its own positions only, never on the batch or the thread count.
+inline constexpr int64_t kBatchInvariantSplitTokens = 512;
+// Batch-invariant mode runs a query tile's chunks as tasks of their own (for idle threads) only
+// while their partial outputs stay below this many rows; else one task folds them in turn.
+inline constexpr int64_t kMaxPartialRows = int64_t(1) << 14;
 // Multiply-adds below which a call runs on the calling thread: starting an OpenMP region costs
 // more than such a call's whole work.
 inline constexpr int64_t kMinParallelWork = int64_t(1) << 21;
@@ -57,7 +85,8 @@ struct Task {
   int64_t seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
   int64_t q_begin, q_end;                   // query rows [q_begin, q_end) of the flattened batch
   int64_t kv_begin, kv_end;                 // this task's KV positions
-  int64_t split, num_splits;
+  int64_t chunk_tokens;  // > 0: fold chunks on absolute multiples of it (batch-invariant mode)
+  int64_t split, num_splits;  // num_splits > 1: one chunk per task, merged by merge_splits
   int64_t partial_offset;  // into the split workspace, in rows
 };
 
@@ -65,19 +94,65 @@ struct Task {
 struct Scratch {
   std::vector<float> q, s, m, out;
   std::vector<double> acc, l;  // the running sums (see the top of the file)
-  std::vector<int64_t> last_visible;
+  std::vector<double> fold_m, fold_w, fold_acc;  // the rows' folded chunks (fold_part)
+  std::vector<int64_t> first_visible, last_visible, position;
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
   void resize(int64_t rows, int64_t heads, int head_size) {
     q.resize(size_t(rows) * heads * head_size);
     acc.resize(size_t(rows) * heads * head_size);
+    fold_acc.resize(size_t(rows) * heads * head_size);
     s.resize(size_t(rows) * kTileTokens);
     m.resize(size_t(rows) * heads);
     l.resize(size_t(rows) * heads);
+    fold_m.resize(size_t(rows) * heads);
+    fold_w.resize(size_t(rows) * heads);
     out.resize(head_size);
+    first_visible.resize(rows);
     last_visible.resize(rows);
+    position.resize(rows);
   }
 };
+
+// Keys a query row sees: [lo, hi] (reference.attention), p its position.
+struct RowRange {
+  int64_t position, lo, hi;
+};
+inline RowRange row_range(const AttentionParams& p, int64_t kv_len, int64_t q_len, int64_t i) {
+  const int64_t pos = kv_len - q_len + i;
+  const int64_t lo = p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0;
+  return {pos, lo, p.causal ? pos : kv_len - 1};
+}
+
+// Folding a row's parts (chunks or splits, in position order) into its output: the running
+// (max, weight, weighted sum) of exp(lse_i) * part_i. Out of line, so the fold in a task and
+// the one in merge_splits are the same instructions: batch-invariant mode needs their bits equal.
+// A part with lse -inf (it saw no key) is skipped, so a missing part and an empty one give the
+// same bits. The first part is taken exactly (weight exp(0) = 1, previous weight 0).
+__attribute__((noinline)) inline void fold_part(double& m, double& w, double* acc, int D, double lse,
+                                                const float* part) {
+  if (lse == -std::numeric_limits<double>::infinity()) return;
+  const double m_new = std::max(m, lse);  // a NaN lse keeps m; its weight below is NaN
+  const double a = std::exp(m - m_new), b = std::exp(lse - m_new);
+  w = w * a + b;
+  m = m_new;
+  for (int d = 0; d < D; ++d) acc[d] = acc[d] * a + b * double(part[d]);
+}
+
+// The row's output and log-sum-exp from its folded parts and its sink (a logit with no value,
+// counted once here). No part and no sink: 0 / 0 = NaN and -inf, as the reference.
+__attribute__((noinline)) inline void fold_finish(double m, double w, const double* acc, int D, const float* sink,
+                                                  float* out, float* lse) {
+  double a = 1.0;
+  if (sink != nullptr && double(*sink) != -std::numeric_limits<double>::infinity()) {
+    const double m_new = std::max(m, double(*sink));
+    a = std::exp(m - m_new);
+    w = w * a + std::exp(double(*sink) - m_new);
+    m = m_new;
+  }
+  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * a / w);
+  if (lse != nullptr) *lse = float(m + std::log(w));
+}
 
 // Into L2, not L1: the next tile is 16 KiB per KV head, which L1 prefetches (prefetcht0) cannot
 // keep in flight (they wait on L1's few miss buffers and stall the core); L2 holds it easily and
@@ -235,9 +310,10 @@ struct PV {
 // Runs one task. For each KV head, rows are (query token, head in group) pairs: row r = token *
 // group + g. Tiles are the outer loop and heads the inner one, so the task walks each token's
 // K/V rows of all its heads together: contiguous memory in the usual layouts, which is what
-// the hardware prefetcher follows. Writes out (num_splits == 1) or partial/lse (split tasks).
+// the hardware prefetcher follows. Writes out and lse (num_splits == 1) or its one part to
+// partial/part_lse (split tasks).
 template <typename QT, typename CT>
-void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, double* lse) {
+void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, double* part_lse) {
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int D = int(p.head_size);  // validated: at most 256
   const int64_t group = p.num_heads / p.num_kv_heads;
@@ -247,16 +323,26 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const int64_t tokens = t.q_end - t.q_begin;
   const int64_t rows = tokens * group;  // per KV head
   const int64_t heads = t.kv_head_end - t.kv_head_begin;
+  const bool split = t.num_splits > 1;
   w.resize(rows, heads, D);
 
   const QT* query = static_cast<const QT*>(p.query);
-  int64_t kv_stop = t.kv_begin;
+  // The task walks [begin, end): its KV range, cut to what its rows see, from a tile boundary.
+  int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = -1;
   for (int64_t i = 0; i < tokens; ++i) {
-    const int64_t token = t.q_begin + i;
-    const int64_t visible = p.causal ? kv_len - q_len + (token - first_q) : kv_len - 1;
-    for (int64_t g = 0; g < group; ++g) w.last_visible[i * group + g] = visible;
-    kv_stop = std::max(kv_stop, std::min(t.kv_end, visible + 1));
+    const RowRange range = row_range(p, kv_len, q_len, t.q_begin + i - first_q);
+    for (int64_t g = 0; g < group; ++g) {
+      w.first_visible[i * group + g] = range.lo;
+      w.last_visible[i * group + g] = range.hi;
+      w.position[i * group + g] = range.position;
+    }
+    lo_all = std::min(lo_all, range.lo);
+    hi_all = std::max(hi_all, range.hi);
   }
+  // Tiles start on multiples of kTileTokens (the same tiles for a row whatever else is in its
+  // task), but keys before lo_all are never read: no row sees them (see locate).
+  const int64_t end = std::min(t.kv_end, hi_all + 1);
+  const int64_t begin = end <= lo_all ? end : std::max(t.kv_begin, lo_all / kTileTokens * kTileTokens);
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
     // k_scale folds into the query (and v_scale into the output): both are per KV head.
@@ -266,11 +352,13 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       float* q = &w.q[(size_t(hl) * rows + r) * D];
       to_float(query + token * p.q_stride_token + head * p.q_stride_head, q, D);
       for (int d = 0; d < D; ++d) q[d] *= q_mul;
-      w.m[hl * rows + r] = kNegInf;
-      w.l[hl * rows + r] = 0.0;
+      w.fold_m[hl * rows + r] = -std::numeric_limits<double>::infinity();
+      w.fold_w[hl * rows + r] = 0.0;
     }
   }
-  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * D, 0.0);
+  std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
+  if (split && begin >= end)  // none of the rows sees this split: an empty part each
+    for (int64_t row = 0; row < rows * heads; ++row) part_lse[t.partial_offset + row] = -std::numeric_limits<double>::infinity();
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
@@ -293,117 +381,159 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     }
   };
   const int64_t row_bytes = int64_t(D) * sizeof(CT);
-  // Tokens [j0, j0 + n) of the task, n <= kTileTokens.
-  auto tile_len = [&](int64_t j0) { return int(std::min<int64_t>(kTileTokens, kv_stop - j0)); };
-  // One division per tile, not per token (a 64-bit division costs more than a token's math at
-  // small head sizes); the next block's table entry is read only when a token lies in it.
-  auto locate = [&](int64_t j0, int slot) {
-    const int n = tile_len(j0);
-    int64_t index = j0 / p.block_size, offset = j0 % p.block_size;
-    const CT* k_block = kc + table[index] * p.k_stride_block;
-    const CT* v_block = vc + table[index] * p.v_stride_block;
-    for (int j = 0; j < n; ++j, ++offset) {
-      if (offset == p.block_size) {
-        offset = 0, ++index;
-        k_block = kc + table[index] * p.k_stride_block;
-        v_block = vc + table[index] * p.v_stride_block;
+
+  // Chunks: the whole range, or (batch-invariant mode) its pieces between absolute multiples of
+  // chunk_tokens. Each is one online softmax, then folded into the rows' outputs.
+  for (int64_t c0 = begin, c1; c0 < end; c0 = c1) {
+    c1 = t.chunk_tokens > 0 ? std::min(end, (c0 / t.chunk_tokens + 1) * t.chunk_tokens) : end;
+    for (int64_t hl = 0; hl < heads; ++hl)
+      for (int64_t r = 0; r < rows; ++r) w.m[hl * rows + r] = kNegInf, w.l[hl * rows + r] = 0.0;
+    std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * D, 0.0);
+
+    // Tokens [j0, j0 + n) of the chunk, n <= kTileTokens.
+    auto tile_len = [&](int64_t j0) { return int(std::min<int64_t>(kTileTokens, c1 - j0)); };
+    // One division per tile, not per token (a 64-bit division costs more than a token's math at
+    // small head sizes); the next block's table entry is read only when a token lies in it.
+    // Keys of the tile before lo_all (the first tile only) point at key lo_all: their scores
+    // are masked and their probabilities 0, and their blocks (outside a window) are never read.
+    auto locate = [&](int64_t j0, int slot) {
+      const int n = tile_len(j0);
+      const int hidden = int(std::clamp<int64_t>(lo_all - j0, 0, n - 1));
+      int64_t index = (j0 + hidden) / p.block_size, offset = (j0 + hidden) % p.block_size;
+      const CT* k_block = kc + table[index] * p.k_stride_block;
+      const CT* v_block = vc + table[index] * p.v_stride_block;
+      for (int j = hidden; j < n; ++j, ++offset) {
+        if (offset == p.block_size) {
+          offset = 0, ++index;
+          k_block = kc + table[index] * p.k_stride_block;
+          v_block = vc + table[index] * p.v_stride_block;
+        }
+        k_tokens[slot][j] = k_block + offset * p.k_stride_token;
+        v_tokens[slot][j] = v_block + offset * p.v_stride_token;
       }
-      k_tokens[slot][j] = k_block + offset * p.k_stride_token;
-      v_tokens[slot][j] = v_block + offset * p.v_stride_token;
-    }
-    return n;
-  };
-  const int first_n = kv_stop > t.kv_begin ? locate(t.kv_begin, 0) : 0;
-  for (int64_t hl = 0; hl < heads; ++hl) {
-    const int64_t h = t.kv_head_begin + hl;
-    Prefetch<CT>{k_tokens[0], v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
-        .rows(0, kTileTokens);
-  }
-  for (int64_t j0 = t.kv_begin, slot = 0; j0 < kv_stop; j0 += kTileTokens, slot ^= 1) {
-    const int n = tile_len(j0);
-    const int next_n = kv_stop - j0 > kTileTokens ? locate(j0 + kTileTokens, int(slot ^ 1)) : 0;
+      for (int j = 0; j < hidden; ++j) k_tokens[slot][j] = k_tokens[slot][hidden], v_tokens[slot][j] = v_tokens[slot][hidden];
+      return n;
+    };
+    const int first_n = locate(c0, 0);
     for (int64_t hl = 0; hl < heads; ++hl) {
       const int64_t h = t.kv_head_begin + hl;
-      for (int j = 0; j < n; ++j) {
-        k_rows[j] = reinterpret_cast<const Exact*>(k_tokens[slot][j] + h * p.k_stride_head);
-        v_rows[j] = reinterpret_cast<const Exact*>(v_tokens[slot][j] + h * p.v_stride_head);
+      Prefetch<CT>{k_tokens[0], v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
+          .rows(0, kTileTokens);
+    }
+    for (int64_t j0 = c0, slot = 0; j0 < c1; j0 += kTileTokens, slot ^= 1) {
+      const int n = tile_len(j0);
+      const int next_n = c1 - j0 > kTileTokens ? locate(j0 + kTileTokens, int(slot ^ 1)) : 0;
+      for (int64_t hl = 0; hl < heads; ++hl) {
+        const int64_t h = t.kv_head_begin + hl;
+        for (int j = 0; j < n; ++j) {
+          k_rows[j] = reinterpret_cast<const Exact*>(k_tokens[slot][j] + h * p.k_stride_head);
+          v_rows[j] = reinterpret_cast<const Exact*>(v_tokens[slot][j] + h * p.v_stride_head);
+        }
+        const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
+                                (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
+        float* q = &w.q[size_t(hl) * rows * D];
+        double* acc = &w.acc[size_t(hl) * rows * D];
+        float* m = &w.m[hl * rows];
+        double* l = &w.l[hl * rows];
+        if (const Finite* const* k_fast = as_finite(k_rows, n))
+          for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
+        else
+          for_row_blocks<QK, Exact>(rows, q, D, k_rows, n, w.s.data(), next);
+        for (int64_t r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
+          float* s = &w.s[size_t(r) * kTileTokens];
+          // The row's keys in this tile: [first, last) (window, causal mask, end of the tile).
+          const int first = int(std::clamp<int64_t>(w.first_visible[r] - j0, 0, n));
+          const int last = int(std::clamp<int64_t>(w.last_visible[r] - j0 + 1, 0, n));
+          if (last <= first) {  // the row sees nothing here: contributes nothing
+            std::fill(s, s + kTileTokens, 0.f);
+            continue;
+          }
+          std::fill(s, s + first, kNegInf);
+          std::fill(s + last, s + kTileTokens, kNegInf);
+          if (p.softcap > 0.f)
+            for (int j = first; j < last; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+          if (p.alibi_slopes != nullptr) {  // + slope * (j - p), the key's distance to the query
+            const float slope = p.alibi_slopes[h * group + r % group];
+            const int64_t distance = j0 - w.position[r];
+            for (int j = first; j < last; ++j) s[j] += slope * float(distance + j);
+          }
+          Vec8 vmax = Vec8::load(s), vsum = vmax;
+          for (int c = 8; c < kTileTokens; c += 8) {
+            vmax = Vec8::max(vmax, Vec8::load(s + c));
+            vsum = vsum + Vec8::load(s + c);
+          }
+          float tile_max = vmax.reduce_max();
+          // A NaN score (a NaN in K, or +inf next to a hidden -inf) makes the row NaN, as in the
+          // reference: the max above may drop NaN, so the sum tells; NaN then flows through m, the
+          // correction, exp and l. +inf alone does too: exp(inf - inf) is NaN.
+          if (std::isnan(vsum.sum())) tile_max = std::numeric_limits<float>::quiet_NaN();
+          if (tile_max == kNegInf) {  // every score the row sees here is -inf: contributes nothing
+            std::fill(s, s + kTileTokens, 0.f);
+            continue;
+          }
+          const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
+          const float correction = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
+          const Vec8 shift = Vec8::broadcast(m_new);
+          Vec8 sum = Vec8::zero();
+          for (int c = 0; c < kTileTokens; c += 8) {
+            const Vec8 e = Vec8::exp(Vec8::load(s + c) - shift);
+            e.store(s + c);
+            sum = sum + e;
+          }
+          if (correction != 1.f)
+            for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
+          l[r] = l[r] * correction + sum.sum();
+          m[r] = m_new;
+        }
+        if (const Finite* const* v_fast = as_finite(v_rows, n))
+          for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
+        else
+          for_row_blocks<PV, Exact>(rows, acc, D, w.s.data(), v_rows, n);
       }
-      const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
-                              (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
-      float* q = &w.q[size_t(hl) * rows * D];
-      double* acc = &w.acc[size_t(hl) * rows * D];
-      float* m = &w.m[hl * rows];
-      double* l = &w.l[hl * rows];
-      if (const Finite* const* k_fast = as_finite(k_rows, n))
-        for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
-      else
-        for_row_blocks<QK, Exact>(rows, q, D, k_rows, n, w.s.data(), next);
-      for (int64_t r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
-        float* s = &w.s[size_t(r) * kTileTokens];
-        const int visible = int(std::max<int64_t>(0, std::min<int64_t>(n, w.last_visible[r] - j0 + 1)));
-        std::fill(s + visible, s + kTileTokens, kNegInf);  // causally hidden, or past the tile
-        Vec8 vmax = Vec8::load(s), vsum = vmax;
-        for (int c = 8; c < kTileTokens; c += 8) {
-          vmax = Vec8::max(vmax, Vec8::load(s + c));
-          vsum = vsum + Vec8::load(s + c);
-        }
-        float tile_max = vmax.reduce_max();
-        // A NaN score (a NaN in K, or +inf next to a hidden -inf) makes the row NaN, as in the
-        // reference: the max above may drop NaN, so the sum tells; NaN then flows through m, the
-        // correction, exp and l. +inf alone does too: exp(inf - inf) is NaN.
-        if (std::isnan(vsum.sum())) tile_max = std::numeric_limits<float>::quiet_NaN();
-        if (tile_max == kNegInf) {  // the row sees nothing here: contributes nothing
-          std::fill(s, s + kTileTokens, 0.f);
-          continue;
-        }
-        const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
-        const float correction = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
-        const Vec8 shift = Vec8::broadcast(m_new);
-        Vec8 sum = Vec8::zero();
-        for (int c = 0; c < kTileTokens; c += 8) {
-          const Vec8 e = Vec8::exp(Vec8::load(s + c) - shift);
-          e.store(s + c);
-          sum = sum + e;
-        }
-        if (correction != 1.f)
-          for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
-        l[r] = l[r] * correction + sum.sum();
-        m[r] = m_new;
+    }
+
+    // The chunk's part of each row: its normalized output and log-sum-exp.
+    for (int64_t hl = 0; hl < heads; ++hl) {
+      const int64_t kv_head = t.kv_head_begin + hl;
+      const double v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = hl * rows + r;
+        const double* acc = &w.acc[size_t(row) * D];
+        // l == 0: the row saw no key in this chunk, or every score it saw was -inf (softmax
+        // over only -inf is NaN in the reference: the fold gives that when no part is left).
+        // l is NaN for NaN rows.
+        const double lse = w.l[row] == 0.0 ? -std::numeric_limits<double>::infinity()
+                                           : double(w.m[row]) + std::log(w.l[row]);
+        const double norm = v_mul / w.l[row];
+        float* part = split ? partial + (t.partial_offset + row) * D : w.out.data();
+        for (int d = 0; d < D; ++d) part[d] = float(acc[d] * norm);
+        if (split)
+          part_lse[t.partial_offset + row] = lse;
+        else
+          fold_part(w.fold_m[row], w.fold_w[row], &w.fold_acc[size_t(row) * D], D, lse, part);
       }
-      if (const Finite* const* v_fast = as_finite(v_rows, n))
-        for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
-      else
-        for_row_blocks<PV, Exact>(rows, acc, D, w.s.data(), v_rows, n);
     }
   }
+  if (split) return;
 
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
-    const double v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = hl * rows + r;
       const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
-      const double* acc = &w.acc[size_t(row) * D];
-      // l == 0: every visible score was -inf (a valid row sees at least one token), and softmax
-      // over only -inf is NaN, as in the reference. l is NaN for NaN rows.
-      const double norm = w.l[row] == 0.0 ? std::numeric_limits<double>::quiet_NaN() : v_mul / w.l[row];
-      float* o = t.num_splits == 1 ? w.out.data() : partial + (t.partial_offset + row) * D;
-      for (int d = 0; d < D; ++d) o[d] = float(acc[d] * norm);
-      if (t.num_splits == 1) {
-        from_float(o, static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
-      } else {  // NaN rows: NaN
-        lse[t.partial_offset + row] = w.l[row] == 0.0 ? -std::numeric_limits<double>::infinity()
-                                                      : double(w.m[row]) + std::log(w.l[row]);
-      }
+      fold_finish(w.fold_m[row], w.fold_w[row], &w.fold_acc[size_t(row) * D], D,
+                  p.sinks ? p.sinks + head : nullptr, w.out.data(),
+                  p.lse ? p.lse + token * p.num_heads + head : nullptr);
+      from_float(w.out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
     }
   }
 }
 
-// Merges the splits of one (seq, kv head, query tile): out = sum_i exp(lse_i - lse) * partial_i.
+// Merges the splits of one (seq, kv head, query tile): the rows' parts folded in position
+// order (fold_part, as a task folds its chunks), the sink added once, out and lse written.
 // In fp64: an fp32 lse of a long context (~18 at 1e8 tokens) would carry a ~1e-6 weight error.
 template <typename QT>
-void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const double* lse) {
-  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const double* part_lse) {
   const int D = int(p.head_size);
   const int64_t group = p.num_heads / p.num_kv_heads;
   const Task& t = splits[0];
@@ -411,27 +541,24 @@ void merge_splits(const AttentionParams& p, const Task* splits, const float* par
   std::vector<double> acc(D);
   std::vector<float> out(D);
   for (int64_t row = 0; row < rows * (t.kv_head_end - t.kv_head_begin); ++row) {
-    double max_lse = kNegInf;
-    for (int64_t i = 0; i < t.num_splits; ++i) max_lse = std::max(max_lse, lse[splits[i].partial_offset + row]);
+    double m = -std::numeric_limits<double>::infinity(), w = 0.0;
     std::fill(acc.begin(), acc.end(), 0.0);
-    double total = 0.0;
     for (int64_t i = 0; i < t.num_splits; ++i) {
       const int64_t prow = splits[i].partial_offset + row;
-      if (lse[prow] == kNegInf) continue;  // split saw no token
-      const double weight = std::exp(lse[prow] - max_lse);
-      total += weight;
-      for (int d = 0; d < D; ++d) acc[d] += weight * partial[prow * D + d];
+      fold_part(m, w, acc.data(), D, part_lse[prow], partial + prow * D);
     }
-    for (int d = 0; d < D; ++d) out[d] = float(acc[d] / total);
     const int64_t r = row % rows, kv_head = t.kv_head_begin + row / rows;
     const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
+    fold_finish(m, w, acc.data(), D, p.sinks ? p.sinks + head : nullptr, out.data(),
+                p.lse ? p.lse + token * p.num_heads + head : nullptr);
     from_float(out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
   }
 }
 
 // Cuts the batch into tasks. A task takes all KV heads of its sequence (contiguous reads) unless
 // that leaves threads idle; then heads are spread over tasks, and only then is a long sequence's
-// KV split, so short-context batches never pay for the merge.
+// KV split, so short-context batches never pay for the merge. Each query tile's KV range is
+// what its rows see (a window skips the rest), from a tile boundary.
 inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, int64_t& partial_rows) {
   const int64_t group = p.num_heads / p.num_kv_heads;
   const int64_t tile_tokens = std::max<int64_t>(1, 64 / group);  // ~64 rows per KV head and task
@@ -452,18 +579,35 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1], kv_len = p.seq_lens[s];
     if (q1 == q0) continue;  // no query rows (seq_len may be 0 then): nothing to compute
-    const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(max_splits, kv_len / kMinSplitTokens));
-    // Split boundaries on tile multiples keep every split's tiles full; at least one tile, so a
-    // (validated away) kv_len of 0 still gets a task, which writes NaN rather than nothing.
-    const int64_t per_split =
-        std::max<int64_t>(kTileTokens, ((kv_len + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens);
-    const int64_t num_splits = std::max<int64_t>(1, (kv_len + per_split - 1) / per_split);
-    for (int64_t h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_task) {
-      const int64_t h1 = std::min(p.num_kv_heads, h0 + heads_per_task);
-      for (int64_t qb = q0; qb < q1; qb += tile_tokens) {
-        const int64_t qe = std::min(q1, qb + tile_tokens);
+    for (int64_t qb = q0; qb < q1; qb += tile_tokens) {
+      const int64_t qe = std::min(q1, qb + tile_tokens);
+      // The tile's rows see [lo, hi] together (positions grow with the row).
+      const int64_t lo = row_range(p, kv_len, q1 - q0, qb - q0).lo;
+      const int64_t hi = std::max<int64_t>(0, row_range(p, kv_len, q1 - q0, qe - 1 - q0).hi);
+      int64_t first = lo / kTileTokens * kTileTokens, per_split, num_splits, chunk_tokens = 0;
+      if (p.batch_invariant) {
+        // Chunks on absolute multiples of a fixed size: tasks of their own when threads are idle
+        // and their partial outputs are small, else folded in one task (the same bits).
+        const int64_t chunk = kBatchInvariantSplitTokens;
+        first = lo / chunk * chunk;
+        const int64_t chunks = hi / chunk - lo / chunk + 1;
+        if (max_splits > 1 && chunks > 1 && partial_rows + chunks * (qe - qb) * p.num_heads <= kMaxPartialRows) {
+          per_split = chunk, num_splits = chunks;
+        } else {
+          per_split = hi + 1 - first, num_splits = 1, chunk_tokens = chunk;
+        }
+      } else {
+        const int64_t visible = hi + 1 - first;
+        const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(max_splits, visible / kMinSplitTokens));
+        // Split boundaries on tile multiples keep every split's tiles full; at least one tile.
+        per_split = std::max<int64_t>(kTileTokens, ((visible + splits - 1) / splits + kTileTokens - 1) / kTileTokens * kTileTokens);
+        num_splits = std::max<int64_t>(1, (visible + per_split - 1) / per_split);
+      }
+      for (int64_t h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_task) {
+        const int64_t h1 = std::min(p.num_kv_heads, h0 + heads_per_task);
         for (int64_t i = 0; i < num_splits; ++i) {
-          Task t{s, h0, h1, qb, qe, i * per_split, std::min(kv_len, (i + 1) * per_split), i, num_splits, 0};
+          Task t{s, h0, h1, qb, qe, first + i * per_split, std::min(hi + 1, first + (i + 1) * per_split),
+                 chunk_tokens, i, num_splits, 0};
           if (num_splits > 1) {
             t.partial_offset = partial_rows;
             partial_rows += (qe - qb) * group * (h1 - h0);
@@ -483,13 +627,16 @@ void paged_attention(const AttentionParams& p) {
   // process holds a core: small calls (an engine's decode step on a short context) run inline,
   // and then nothing is gained by splitting KV either.
   double work = 0;  // multiply-adds, roughly (a double: q_len x seq_len x heads can pass 2^63)
-  for (int64_t s = 0; s < p.num_seqs; ++s)
-    work += double(p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s]) * p.seq_lens[s] * p.num_heads * p.head_size;
+  for (int64_t s = 0; s < p.num_seqs; ++s) {
+    const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+    const int64_t keys = p.window_left >= 0 ? std::min<int64_t>(p.seq_lens[s], p.window_left + q_len) : p.seq_lens[s];
+    work += double(q_len) * keys * p.num_heads * p.head_size;
+  }
   const bool parallel = work >= double(kMinParallelWork) && omp_get_max_threads() > 1;
   int64_t partial_rows = 0;
   const std::vector<Task> tasks = plan_tasks(p, parallel ? omp_get_max_threads() : 1, partial_rows);
   std::vector<float> partial(size_t(partial_rows) * p.head_size);
-  std::vector<double> lse(partial_rows);
+  std::vector<double> part_lse(partial_rows);
   const int64_t num_tasks = int64_t(tasks.size());
 
 #pragma omp parallel if (parallel)
@@ -497,12 +644,12 @@ void paged_attention(const AttentionParams& p) {
     Scratch scratch;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i)
-      run_task<QT, CT>(p, tasks[i], scratch, partial.data(), lse.data());
+      run_task<QT, CT>(p, tasks[i], scratch, partial.data(), part_lse.data());
     if (partial_rows > 0) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < num_tasks; ++i)
         if (tasks[i].split == 0 && tasks[i].num_splits > 1)
-          merge_splits<QT>(p, &tasks[i], partial.data(), lse.data());
+          merge_splits<QT>(p, &tasks[i], partial.data(), part_lse.data());
     }
   }
 }

@@ -33,4 +33,7 @@ PAGED_CPU_DECLARE_ISA_KERNELS
 void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
                  const Tensor& block_mapping);
 void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping);
+// Memory-bound, fp32 math: built once, with the baseline flags.
+void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
+                            const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse);
 }  // namespace paged::cpu

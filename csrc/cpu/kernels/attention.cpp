@@ -7,6 +7,9 @@
 
 #include "cpu/isa.h"
 
+#include <algorithm>
+#include <limits>
+
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 namespace {
 
@@ -23,10 +26,6 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
          const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
          double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale,
          const AttentionVariants& variants) {
-  // TODO(#13, cpu): the variants in the core; until then only the plain call runs here.
-  TORCH_CHECK_NOT_IMPLEMENTED(variants.softcap == 0 && variants.window_left < 0 && !variants.sinks &&
-                                  !variants.alibi_slopes && !variants.lse && !variants.batch_invariant,
-                              "paged_cpu: softcap/window_left/sinks/alibi_slopes/lse/batch_invariant not yet implemented");
   AttentionParams p{};
   p.out = out.data_ptr();
   p.query = query.data_ptr();
@@ -49,6 +48,16 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
   p.block_size = key_cache.size(1);
   p.scale = float(scale);
   p.causal = causal;
+  // softcap in float, kept > 0 and finite when it is (a cap of 1e-50 is still a cap, and an
+  // infinite one would make inf * tanh(0) = NaN of every score).
+  p.softcap = variants.softcap > 0 ? std::clamp(float(variants.softcap), std::numeric_limits<float>::denorm_min(),
+                                                std::numeric_limits<float>::max())
+                                   : 0.f;
+  p.window_left = variants.window_left;
+  p.sinks = variants.sinks_ptr();
+  p.alibi_slopes = variants.alibi_slopes_ptr();
+  p.lse = variants.lse_ptr();
+  p.batch_invariant = variants.batch_invariant;
   switch (query.scalar_type()) {
     case at::kFloat: return dispatch_cache<float>(p, key_cache.scalar_type());
     case at::kHalf: return dispatch_cache<c10::Half>(p, key_cache.scalar_type());
