@@ -18,6 +18,13 @@
 // A row whose scores hold a NaN, or whose visible scores are all -inf (a NaN or infinite query),
 // is NaN, as in the reference: max() drops NaN, so l, not m, carries it, and l = 0 at the end
 // means no finite score, which divides to NaN rather than 0.
+//
+// The variants (paged_ops/reference.py attention) are runtime arguments of both kernels: a row at
+// position pos = seq_len - q_len + i sees keys window_start(pos) .. pos (causal) or .. seq_len - 1;
+// compute_qk applies the soft-cap and the ALiBi bias to the visible scores (ScoreMod), and store
+// folds the sink into the row's denominator and writes ln Z to lse (finish_row). A row tile's KV
+// loop starts at the window start of its first (earliest) row, so the tiles before every row's
+// window are never staged: a windowed prefill reads O(window) keys per row tile, not O(seq_len).
 #pragma once
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
@@ -33,6 +40,58 @@ namespace prefill {
 
 // 1 / l for a finished row: l > 0 for any row with a finite score; otherwise NaN (see above).
 __device__ __forceinline__ float inverse_sum(float l) { return l > 0.f ? 1.f / l : NAN; }
+
+constexpr float kLn2 = 0.6931471805599453f;
+
+// First key a row at position `pos` sees: pos - window_left, or 0 without a window. int64 because
+// window_left may be any size up to INT64_MAX.
+__device__ __forceinline__ int window_start(int64_t window_left, int pos) {
+  return window_left >= 0 && int64_t(pos) - window_left > 0 ? int(int64_t(pos) - window_left) : 0;
+}
+
+// Soft-cap and ALiBi on one visible score, in the kernels' log2 domain. The kernels multiply q.k by
+// qk_mul (the scale, times log2 e unless capped, since the cap applies to the natural-log score);
+// then s = softcap * tanh(s / softcap) becomes cap_log2 * tanh(s * inv_cap), and the bias
+// slope * (j - pos) is added as slope_log2 * (j - pos) (slope_log2 = 0 without alibi_slopes).
+struct ScoreMod {
+  float qk_mul, cap_log2, inv_cap;
+
+  __device__ __forceinline__ float operator()(float s, float slope_log2, int distance) const {
+    if (cap_log2 > 0.f) s = cap_log2 * tanhf(s * inv_cap);
+    return s + slope_log2 * float(distance);
+  }
+};
+
+// `scale` is the call's scale times any factor the kernel folds in (the tensor-core kernel's k_scale).
+__device__ __forceinline__ ScoreMod score_mod(const AttentionParams& p, float scale) {
+  const bool capped = p.softcap > 0.f;
+  return ScoreMod{capped ? scale : scale * kLog2e, capped ? p.softcap * kLog2e : 0.f, capped ? 1.f / p.softcap : 0.f};
+}
+
+__device__ __forceinline__ float alibi_log2(const AttentionParams& p, int head) {
+  return p.alibi_slopes ? p.alibi_slopes[head] * kLog2e : 0.f;
+}
+
+// End of a row with running max m (log2 domain, -inf if no finite score) and sum l: the sink, if
+// any, joins the denominator as one more logit with no value (the output is rescaled by the
+// max's shift), and lse = ln Z = (m + log2 l) ln 2, -inf for a row with nothing (l = 0), written
+// when write_lse. Returns the multiplier of the row's unnormalised accumulator.
+__device__ __forceinline__ float finish_row(const AttentionParams& p, float m, float l, int64_t token, int head,
+                                            bool write_lse) {
+  float o_mul = 1.f;
+  if (p.sinks) {
+    const float sink = p.sinks[head] * kLog2e;
+    const float mn = fmaxf(m, sink);  // a NaN sink is dropped here and poisons l below
+    if (mn != -INFINITY) {            // both -inf: no key, a sink of weight 0, nothing to add
+      o_mul = exp2f(m - mn);          // m = -inf (no visible key): 0, the row is the sink's 0
+      l = l * o_mul + exp2f(sink - mn);
+      m = mn;
+    }
+    if (sink != sink) l = NAN;
+  }
+  if (p.lse && write_lse) p.lse[token * p.num_heads + head] = (m + log2f(l)) * kLn2;
+  return inverse_sum(l) * o_mul;
+}
 
 // ---- CUDA-core kernel (any query dtype; fp32 queries always take it) ---------------------------
 // Per KV tile of BN tokens: K -> smem as float (fp8 dequantised), S = Q K^T, one thread per row
@@ -65,7 +124,8 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
   float* rl = rm + BM;
   float* ra = rl + BM;
 
-  const float qmul = p.scale * kLog2e;
+  const ScoreMod mod = score_mod(p, p.scale);
+  const float qmul = mod.qk_mul;  // Q is staged pre-multiplied
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
@@ -76,10 +136,9 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
     const int nrows = int(min(int64_t(BM), total_rows - row0));
     const int qi_max = int((row0 + nrows - 1) / group);
     const int kv_end = p.causal ? seq_len - q_len + qi_max + 1 : seq_len;
-    // The last KV position row r sees (exclusive); padding rows see none.
-    auto visible_end = [&](int r) {
-      return r < nrows ? (p.causal ? seq_len - q_len + int((row0 + r) / group) + 1 : seq_len) : 0;
-    };
+    // The first row has the earliest window: no row of the tile sees a key before it.
+    const int kv_begin = window_start(p.window_left, seq_len - q_len + int(row0 / group));
+    auto position = [&](int r) { return seq_len - q_len + int((row0 + r) / group); };
     __syncthreads();  // the previous tile's store has read rl; Qs is rewritten below
 
     // load_q
@@ -116,18 +175,20 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
     };
     __syncthreads();
 
-    for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
       stage_kv(K, k_aligned, kscale, kv0);
       __syncthreads();
-      // compute_qk
+      // compute_qk; padding rows (r >= nrows) see no key
       for (int e = threadIdx.x; e < BM * BN; e += nt) {
         const int r = e / BN, j = e % BN, t = kv0 + j;
         float s = -INFINITY;
-        if (t < visible_end(r)) {
+        const int pos = position(r);
+        if (r < nrows && t >= window_start(p.window_left, pos) && (p.causal ? t <= pos : t < seq_len)) {
           s = 0.f;
           const float* qr = Qs + r * D;
           const float* kr = KVs + j * ld;
           for (int d = 0; d < D; ++d) s += qr[d] * kr[d];
+          s = mod(s, alibi_log2(p, kvh * group + int((row0 + r) % group)), t - pos);
         }
         S[e] = s;
       }
@@ -181,7 +242,8 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
     // store
     if (myr < nrows) {
       const int qi = int((row0 + myr) / group), g = int((row0 + myr) % group);
-      const float inv = inverse_sum(rl[myr]);
+      // The row's 8 threads each finish it (the sink folds into local copies of m and l); one writes lse.
+      const float inv = finish_row(p, rm[myr], rl[myr], q0 + qi, kvh * group + g, myc == 0);
       T* o = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (kvh * group + g) * p.o_stride_head;
 #pragma unroll
       for (int k = 0; k < kMaxChunksPerThread; ++k)
@@ -225,8 +287,8 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
   T* Vs = Ks + BN * ld;
   const T zero = from_float<T>(0.f);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  // k_scale folds into the scores' log2-domain multiplier, v_scale into the final normalisation.
-  const float qk_mul = p.scale * kLog2e * cache_scale(p.k_scale, p.k_scale_per_head, kvh);
+  // k_scale folds into the scores' multiplier, v_scale into the final normalisation.
+  const ScoreMod mod = score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_per_head, kvh));
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
   const int cpr = Dp / 8;  // 8-element chunks per padded row
@@ -235,6 +297,8 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
     const int nrows = int(min(int64_t(BM), total_rows - row0));
     const int qi_max = int((row0 + nrows - 1) / group);
     const int kv_end = p.causal ? seq_len - q_len + qi_max + 1 : seq_len;
+    // The first row has the earliest window: no row of the tile sees a key before it.
+    const int kv_begin = window_start(p.window_left, seq_len - q_len + int(row0 / group));
     __syncthreads();  // every warp is done with the previous tile's Qs/Ks/Vs
 
     // load_q
@@ -248,18 +312,23 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
       Qs[r * ld + d] = x;
     }
 
-    int lim[2];
+    // This lane's two rows: position, visible keys lo <= j < hi (none for padding rows), ALiBi slope.
+    int pos[2], lo[2], hi[2];
+    float slope[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
-      lim[h] = r < nrows ? (p.causal ? seq_len - q_len + int((row0 + r) / group) + 1 : seq_len) : 0;
+      pos[h] = seq_len - q_len + int((row0 + r) / group);
+      lo[h] = window_start(p.window_left, pos[h]);
+      hi[h] = r < nrows ? (p.causal ? pos[h] + 1 : seq_len) : 0;
+      slope[h] = r < nrows ? alibi_log2(p, kvh * group + int((row0 + r) % group)) : 0.f;
     }
     float o[NT_O][4];
 #pragma unroll
     for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-    for (int kv0 = 0; kv0 < kv_end; kv0 += BN) {
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
       __syncthreads();  // the previous KV tile is no longer read
       // stage_kv: raw cache values (exact in T), zeros past kv_end and in the padding columns.
       for (int e = threadIdx.x; e < BN * cpr; e += kTcThreads) {
@@ -303,8 +372,8 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
       for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int tok = kv0 + nt * 8 + 2 * t + (i % 2);
-          const float v = tok < lim[i / 2] ? s[nt][i] * qk_mul : -INFINITY;
+          const int tok = kv0 + nt * 8 + 2 * t + (i % 2), h = i / 2;
+          const float v = tok >= lo[h] && tok < hi[h] ? mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]) : -INFINITY;
           s[nt][i] = v;
           mx[i / 2] = fmaxf(mx[i / 2], v);
         }
@@ -366,7 +435,8 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
       const int r = warp * 16 + g + 8 * h;
       if (r < nrows) {
         const int qi = int((row0 + r) / group), gg = int((row0 + r) % group);
-        const float inv = inverse_sum(l[h]) * vscale;
+        // The quad's 4 lanes hold the same m and l; lane t = 0 writes lse.
+        const float inv = finish_row(p, m[h], l[h], q0 + qi, kvh * group + gg, t == 0) * vscale;
         T* out = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (kvh * group + gg) * p.o_stride_head;
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
