@@ -263,12 +263,15 @@ def merge_inputs(num_tokens, num_heads, head_size, dtype, seed, special=True):
     rows = lambda: torch.randn(num_tokens, num_heads, head_size, generator=g).to(dtype)  # noqa: E731
     a = torch.randn(num_tokens, num_heads, generator=g) * 5
     b = torch.randn(num_tokens, num_heads, generator=g) * 5
+    po, so = rows(), rows()
     if special and num_tokens >= 3:
-        a[0, 0] = -math.inf                  # the prefix contributes nothing
+        a[0, 0] = -math.inf                  # the prefix contributes nothing, not even its NaN out
+        po[0, 0] = math.nan
         b[1, 0] = -math.inf                  # the suffix contributes nothing
+        so[1, 0] = math.nan
         a[2, 0] = b[2, 0] = -math.inf        # neither: NaN row, lse -inf
         a[0, -1], b[0, -1] = 80.0, -80.0     # far apart: no overflow
-    return rows(), a, rows(), b
+    return po, a, so, b
 
 
 def check_merge(out, out_lse, po, a, so, b):

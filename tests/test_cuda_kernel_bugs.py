@@ -5,7 +5,12 @@ Each test failed before its fix (issue #11 "Wrong results", issue #12 item 5):
     scale became inf and the scores NaN;
   * max_seqlen_q was narrowed to int and sized the grid: a max_seqlen_q smaller than a real q_len
     (or one past 2^31) left query rows unwritten;
-  * prefill turned a NaN or inf query row into zeros (fmaxf drops NaN, then `l > 0 ? 1 / l : 0`).
+  * prefill turned a NaN or inf query row into zeros (fmaxf drops NaN, then `l > 0 ? 1 / l : 0`);
+  * decode's plan sized a windowed row's partitions by window_left + 1, which wraps for
+    window_left = 2^63 - 1 ("no window" spelled as the int64 maximum): in the batch-invariant mode
+    (always split) the row got one 256-token partition and lost the rest of its keys;
+  * merge_attention_states multiplied a -inf side's out by its weight 0: that out is NaN after
+    attention over no keys, so the merged row was NaN instead of the other side.
 The same kernels run on a GPU (tests/test_cuda_gpu.py); the emulator runs them on CPU tensors.
 """
 from __future__ import annotations
@@ -126,3 +131,23 @@ def test_backend_op_rejects_block_size_past_int32():
                                                   torch.ones(1, dtype=torch.int32), 1.0, None, None)
     with pytest.raises(ValueError, match="block_size"):
         torch.ops.paged_cuda_emu.reshape_and_cache(q, q, kc, kc, torch.zeros(1, dtype=torch.int64), None, None)
+
+
+@pytest.mark.parametrize("window_left", [2**63 - 1, 2**62])
+def test_window_past_int64_range_in_batch_invariant_decode(window_left):
+    case = make_case([700, 30], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, dtype=torch.float32, seed=1)
+    out = nan_like(case.query)
+    emu.decode_attention(*case.decode_args(out), window_left=window_left, batch_invariant=True)
+    assert_close(out, case.reference_prefill(), case.dtype)  # a window past every length is no window
+
+
+def test_merge_ignores_the_out_of_a_side_at_minus_inf():
+    g = torch.Generator().manual_seed(0)
+    prefix_out, suffix_out = torch.randn(2, 2, 3, 64, generator=g)  # [num_tokens, num_heads, head_size]
+    prefix_lse, suffix_lse = torch.randn(2, 2, 3, generator=g)
+    prefix_lse[0], prefix_out[0] = -float("inf"), float("nan")  # attention over no keys: lse -inf, out NaN
+    suffix_lse[1, 2], suffix_out[1, 2] = -float("inf"), float("nan")
+    out, out_lse = nan_like(prefix_out), torch.full_like(prefix_lse, float("nan"))
+    emu.merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+    assert torch.equal(out[0], suffix_out[0]) and torch.equal(out_lse[0], suffix_lse[0])
+    assert torch.equal(out[1, 2], prefix_out[1, 2]) and torch.equal(out_lse[1, 2], prefix_lse[1, 2])

@@ -11,8 +11,8 @@
 // two (fp32) when every row start allows it (MergeParams::aligned, decided once by the binding), else
 // element loads; a head size that is not a multiple of 8 ends in a partial chunk of element loads.
 //
-// NaN/inf, as the reference: a side with lse -inf weighs 0 (its out is still multiplied, so a NaN
-// out there stays NaN, as 0 * NaN does in the reference); both -inf give a NaN row and lse -inf;
+// NaN/inf, as the reference: a side with lse -inf contributes nothing, not even its out (attention
+// over no keys leaves that NaN, and 0 * NaN would be NaN); both -inf give a NaN row and lse -inf;
 // a +inf or NaN lse makes the row NaN.
 #pragma once
 #include "kernels/common.cuh"
@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     if (m == -INFINITY) m = 0.f;  // both -inf: weights 0 and 0, so 0 / 0 = NaN and ln 0 = -inf
     const float wa = expf(a - m), wb = expf(b - m);
     const float total_w = wa + wb;
+    const bool use_a = a != -INFINITY, use_b = b != -INFINITY;  // a side at -inf: its out is not read
     const float inv = 1.f / total_w;
     if (d0 == 0 && p.out_lse) p.out_lse[row] = m + logf(total_w);
     if (d0 >= D) continue;
@@ -51,14 +52,17 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(MergeParams p) {
     const T* so = static_cast<const T*>(p.suffix_out) + tok * p.suffix_stride_token + head * p.suffix_stride_head + d0;
     T* o = static_cast<T*>(p.out) + tok * p.o_stride_token + head * p.o_stride_head + d0;
     if (d0 + 8 <= D) {
-      float x[8], y[8], r[8];
-      load8(po, x, p.aligned);
-      load8(so, y, p.aligned);
+      float x[8] = {}, y[8] = {}, r[8];
+      if (use_a) load8(po, x, p.aligned);
+      if (use_b) load8(so, y, p.aligned);
 #pragma unroll
-      for (int k = 0; k < 8; ++k) r[k] = (wa * x[k] + wb * y[k]) * inv;
+      for (int k = 0; k < 8; ++k) r[k] = ((use_a ? wa * x[k] : 0.f) + (use_b ? wb * y[k] : 0.f)) * inv;
       store8(o, r, p.aligned);
     } else {
-      for (int k = 0; k < D - d0; ++k) o[k] = from_float<T>((wa * to_float(po[k]) + wb * to_float(so[k])) * inv);
+      for (int k = 0; k < D - d0; ++k) {
+        const float x = use_a ? wa * to_float(po[k]) : 0.f, y = use_b ? wb * to_float(so[k]) : 0.f;
+        o[k] = from_float<T>((x + y) * inv);
+      }
     }
   }
 }

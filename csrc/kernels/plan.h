@@ -137,7 +137,7 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
   const int64_t max_ctx = p.max_blocks_per_seq * p.block_size;
   // The most keys one row sees: a causal row with a window sees window_left + 1 keys at most,
   // however long its sequence, so the plan (partitions, workspace) is sized by the window.
-  const bool windowed = p.window_left >= 0 && p.causal && p.window_left + 1 < max_ctx;
+  const bool windowed = p.window_left >= 0 && p.causal && p.window_left < max_ctx - 1;  // (no int64 wrap)
   const int64_t span = windowed ? p.window_left + 1 : max_ctx;
   int64_t part;
   if (p.batch_invariant) {
