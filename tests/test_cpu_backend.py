@@ -506,3 +506,18 @@ def test_batch_invariant_off_is_the_plain_path_and_both_are_right():
         out, lse = run_cpu(case, dict(kw, batch_invariant=mode), decode=True)
         assert_close(out, ref, torch.float32)
         assert_lse(lse, ref_lse)
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_variants_on_every_isa(isa, batch_invariant):
+    # Every variant at once through each ISA build's kernels: a split decode, a windowed prefill
+    # with GQA, fp8 e4m3 (its NaN-free fast widening) and the window skip.
+    for causal in (True, False):
+        case = make_case([2300, 700, 5], q_lens=[1, 70, 5], num_heads=8, num_kv_heads=2, head_size=80,
+                         block_size=16, dtype=torch.bfloat16, cache_dtype=torch.float8_e4m3fn, seed=11)
+        kw = dict(variant_kwargs(8, softcap=1.5, window_left=600, sinks=True, alibi=True, seed=12),
+                  batch_invariant=batch_invariant)
+        out, lse = run_cpu(case, kw, causal=causal)
+        ref, ref_lse = reference_rows(case, kw, causal=causal)
+        assert_close(out, ref, torch.bfloat16, f"{isa}, causal={causal}")
+        assert_lse(lse, ref_lse)
