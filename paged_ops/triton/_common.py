@@ -176,6 +176,12 @@ class Variants:
     def has_window(self) -> bool:
         return self.window_left >= 0
 
+    @property
+    def heavy_scores(self) -> bool:
+        """Per-score work on top of the dot (cap, bias, window mask): registers default configs
+        make room for."""
+        return self.softcap > 0 or self.alibi_slopes is not None or self.has_window
+
     def flags(self) -> dict:
         """The kernels' constexpr flags."""
         return {"HAS_SOFTCAP": self.softcap > 0, "HAS_WINDOW": self.has_window, "HAS_SINKS": self.sinks is not None,

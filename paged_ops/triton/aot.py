@@ -176,7 +176,7 @@ def decode_launches(dtype, cache_dtype, head_size, num_seqs, seq_len, table_widt
                             v, config)
         else:
             decode.run_decode(torch.empty_like(q), q, kc, vc, table, seq_lens, head_size ** -0.5, k_scale, v_scale,
-                              config or decode.default_config(head_size, dtype, cache_dtype), variants=v)
+                              config or decode.default_config(head_size, dtype, cache_dtype, v), variants=v)
     return launches
 
 
@@ -202,7 +202,7 @@ def prefill_launches(dtype, cache_dtype, head_size, q_lens, seq_lens, table_widt
         else:
             prefill.run_prefill(torch.empty_like(q), q, kc, vc, table, cu, torch.tensor(seq_lens, dtype=torch.int32),
                                 max(q_lens), head_size ** -0.5, causal, k_scale, v_scale,
-                                config or prefill.default_config(head_size, dtype, cache_dtype), v)
+                                config or prefill.default_config(head_size, dtype, cache_dtype, v), v)
     return launches
 
 

@@ -230,7 +230,7 @@ REDUCE_SPLIT_CHUNK = 16
 DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
 
 
-def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
+def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
     """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
 
     Chosen from sm_80 and sm_90 ahead-of-time compiles without spills (tests/test_triton_compile.py):
@@ -250,6 +250,20 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
         # sm_80, 8 warps on sm_90).
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
     return {"BLOCK_N": 64 if pad <= 128 else 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
+
+
+def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+                   variants: Variants = PLAIN) -> dict:
+    """_plain_default_config, with smaller tiles where the variants' per-score work (the cap's
+    tanh, ALiBi's bias, the window's mask) made the sm_80/sm_90 compile spill
+    (tests/test_triton_compile.py, variant matrix): fp32 rows of 256 spilled 24 B with 32-key
+    tiles. A fixed function of the shapes and flags, so the batch-invariant mode may use it."""
+    config = _plain_default_config(head_size, dtype, cache_dtype)
+    if INTERPRET or not variants.heavy_scores:
+        return config
+    if dtype == torch.float32 and not (cache_dtype is not None and is_fp8(cache_dtype)) and head_pad(head_size) > 128:
+        config["BLOCK_N"] = 16
+    return config
 
 
 def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:
@@ -326,7 +340,7 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
 
     head_size, dtype = query.shape[2], query.dtype
     config = autotune.TUNERS["decode_attention"].choose(
-        device_name(query.device), key, default_config(head_size, dtype, key_cache.dtype),
+        device_name(query.device), key, default_config(head_size, dtype, key_cache.dtype, variants),
         _candidates(head_size, dtype), bench)
     run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config,
                variants=variants)
@@ -341,12 +355,12 @@ def config_for(out, query, key_cache, value_cache, block_tables, seq_lens, scale
     head_size, dtype = query.shape[2], query.dtype
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     if batch_invariant:
-        config = default_config(head_size, dtype, key_cache.dtype)
+        config = default_config(head_size, dtype, key_cache.dtype, variants)
         bound = visible_bound(max_len_bound(block_tables, block_size), variants)
         return dict(config, num_splits=math.ceil(bound / BATCH_INVARIANT_PARTITION))
     config = autotune.TUNERS["decode_attention"].lookup(
         device_name(query.device), tuning_key(query, key_cache, block_tables, variants)) or default_config(
-            head_size, dtype, key_cache.dtype)
+            head_size, dtype, key_cache.dtype, variants)
     max_len = visible_bound(max_len_bound(block_tables, block_size), variants)
     splits = choose_num_splits(query.shape[0], num_kv_heads, max_len, config["BLOCK_N"],
                                num_sms(query.device), config.get("split_scale", 1.0))
@@ -388,7 +402,7 @@ def run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seql
     split count of the grid (the rows' own partition counts depend on each row alone)."""
     num_rows, num_heads, head_size = query.shape
     block_size = key_cache.shape[1]
-    config = config or default_config(head_size, query.dtype, key_cache.dtype)
+    config = config or default_config(head_size, query.dtype, key_cache.dtype, variants)
     partition = BATCH_INVARIANT_PARTITION
     if partition % config["BLOCK_N"]:
         raise ValueError(f"BLOCK_N {config['BLOCK_N']} must divide the batch-invariant partition {partition}")

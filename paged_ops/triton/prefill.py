@@ -152,7 +152,7 @@ def _prefill_kernel(
 DEFAULT_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
-def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
+def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
     """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
 
     Chosen from sm_80 and sm_90 ahead-of-time compiles to fit shared memory without register
@@ -178,6 +178,25 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
     if pad > 64:  # 128-wide rows: 64 x 64 tiles spill on sm_80 (with 4 and with 8 warps)
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+                   variants: Variants = PLAIN) -> dict:
+    """_plain_default_config, with smaller tiles or more warps where the variants' per-score work
+    (the cap's tanh, ALiBi's bias, the window's mask) made the sm_80 compile spill
+    (tests/test_triton_compile.py, variant matrix: fp32 rows of 64/128 spilled 8/20 B, 16-bit
+    queries on fp8 caches 4-216 B)."""
+    config = _plain_default_config(head_size, dtype, cache_dtype)
+    if INTERPRET or not variants.heavy_scores:
+        return config
+    pad = head_pad(head_size)
+    fp8_cache = cache_dtype is not None and is_fp8(cache_dtype)
+    if dtype == torch.float32 and not fp8_cache and pad <= 128:
+        config["BLOCK_M"] = 32  # 64 x 16 tiles instead still spilled 12 B at head 64 on sm_90
+    elif dtype != torch.float32 and fp8_cache and pad <= 128:
+        config["num_warps"] = 8
+        config["BLOCK_N"] = min(config["BLOCK_N"], 32)
+    return config
 
 
 def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
@@ -227,7 +246,7 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
             max_seqlen_q, scale, causal, k_scale, v_scale, config, variants))
 
     config = autotune.TUNERS["prefill_attention"].choose(
-        device_name(query.device), key, default_config(query.shape[2], query.dtype, key_cache.dtype),
+        device_name(query.device), key, default_config(query.shape[2], query.dtype, key_cache.dtype, variants),
         _candidates(query.shape[2], query.dtype), bench)
     run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                 max_seqlen_q, scale, causal, k_scale, v_scale, config, variants)
@@ -240,12 +259,12 @@ def config_for(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, s
     batch-invariant mode: decode's fixed row-wise config, with its split count."""
     variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
     if batch_invariant:
-        config = decode.default_config(query.shape[2], query.dtype, key_cache.dtype)
+        config = decode.default_config(query.shape[2], query.dtype, key_cache.dtype, variants)
         bound = decode.visible_bound(decode.max_len_bound(block_tables, key_cache.shape[1]), variants, causal)
         return dict(config, num_splits=-(-bound // decode.BATCH_INVARIANT_PARTITION))
     key = tuning_key(query, key_cache, block_tables, max_seqlen_q, causal, variants)
     return dict(autotune.TUNERS["prefill_attention"].lookup(device_name(query.device), key)
-                or default_config(query.shape[2], query.dtype, key_cache.dtype))
+                or default_config(query.shape[2], query.dtype, key_cache.dtype, variants))
 
 
 def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
