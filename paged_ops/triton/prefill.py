@@ -13,7 +13,10 @@ Each program finds its sequence by binary search over cu_seqlens_q.
 
 Causal masking is bottom-right aligned (query i sees KV 0 .. ctx + i with ctx = seq_len - q_len,
 i.e. the cached context of chunked prefill); KV tiles past the tile's last visible position
-are never visited.
+are never visited, nor (sliding window) tiles before its first row's window.
+
+Variants as in decode (constexpr flags, _common.Variants). In the batch-invariant mode prefill
+does not use this kernel: every row goes through decode.run_rows.
 """
 from __future__ import annotations
 
