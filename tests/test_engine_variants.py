@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+import paged_ops
 from engine import LLM, SamplingParams
 from engine.attention import layer_sliding_window, window_left
 from tests.engine_fixtures import hf_greedy, hf_logprobs, hf_model, save_tiny_checkpoint
@@ -96,6 +97,17 @@ def test_chunked_prefill(ckpt, ref, arch, model_impl):
     llm, got = run(ckpt(arch), block_size=4, max_num_batched_tokens=5, model_impl=model_impl)
     assert got == ref(arch)
     assert llm.last_stats.num_steps > sum(map(len, PROMPTS)) // 5
+
+
+@pytest.mark.parametrize("backend", [b for b in paged_ops.available_backends()
+                                     if b != "cpu" and "cpu" in paged_ops.backend(b).devices])
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])
+def test_other_backends(ckpt, ref, arch, backend):
+    # the same end-to-end check through every other backend that runs on CPU tensors (cuda_emu;
+    # triton under the interpreter): 16-token steps mix decode rows with prefill chunks
+    with paged_ops.use_backend(backend):
+        _, got = run(ckpt(arch), block_size=16, max_num_batched_tokens=16)
+    assert got == ref(arch)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
