@@ -61,10 +61,11 @@ def fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def window_left(sliding_window: int | None) -> int:
     """The ops' ``window_left`` for a transformers ``sliding_window`` (the one place the two
     conventions meet). transformers' sliding-window mask (``masking_utils.sliding_window_overlay``:
-    ``kv_idx > q_idx - sliding_window``, on top of the causal mask) lets a query see W keys
-    counting itself, and its eager, sdpa and flash paths all build that mask, so W keys = the query
-    and W - 1 before it: ``window_left = W - 1``. No window (None) is -1. Gemma 2, gpt-oss, Qwen2 and
-    Mistral all use that mask (Gemma 2 / gpt-oss / Qwen2 on the layers whose ``layer_types`` entry is
+    ``kv_idx > q_idx - sliding_window``, on top of the causal mask, used by its eager and sdpa
+    paths) lets a query see W keys counting itself; its flash path passes ``window_size =
+    (W - 1, W - 1)``, the same keys. So W keys = the query and W - 1 before it:
+    ``window_left = W - 1``; no window (None) is -1. Gemma 2, gpt-oss, Qwen2 and Mistral all use
+    that mask (Gemma 2 / gpt-oss / Qwen2 on the layers whose ``layer_types`` entry is
     "sliding_attention", Mistral on every layer)."""
     if sliding_window is None:
         return -1

@@ -2,11 +2,12 @@
 ``torch.ops.paged.*`` (engine/attention.py).
 
 Two ways to run the decoder (``model_impl``, see engine/README.md). Llama, Mistral, Qwen2, Gemma 2
-and gpt-oss run natively (``engine/models/``: fused projections, ``paged_attention`` called with the
-step's metadata and each layer's attention variants). Any other decoder keeps transformers' modeling code with our attention plugged
-in through its ``AttentionInterface`` (``attn_implementation="paged_ops"``): the model sees a
-batch of one "sequence" of all scheduled tokens (``[1, num_tokens]``, real positions in
-position_ids), and our attention function reads the step's metadata set around each forward.
+and gpt-oss run natively (``engine/models/``: fused projections, ``paged_attention`` called with
+the step's metadata and each layer's attention variants). Any other decoder keeps transformers'
+modeling code with our attention plugged in through its ``AttentionInterface``
+(``attn_implementation="paged_ops"``): the model sees a batch of one "sequence" of all scheduled
+tokens (``[1, num_tokens]``, real positions in position_ids), and our attention function reads the
+step's metadata set around each forward.
 """
 from __future__ import annotations
 
