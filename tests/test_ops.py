@@ -884,6 +884,65 @@ def test_batch_invariant_thread_count(backend, var):
         assert_bits_equal(l1, l2, f"lse, batch {rows}, 1 vs 2 threads")
 
 
+def _row_vs_decode(ops, pool, chunk, target_len=TARGET_LEN, **kw):
+    """(last row of a 17-row causal prefill chunk of the target, the decode at the same position)."""
+    out = nan_like(chunk)
+    device = chunk.device
+    lens = torch.tensor([target_len], dtype=torch.int32, device=device)
+    ops.prefill_attention(out, chunk, pool.key_cache, pool.value_cache, pool.block_tables[:1],
+                          torch.tensor([0, 17], dtype=torch.int32, device=device), lens, 17, pool.scale, True,
+                          pool.k_scale, pool.v_scale, **kw)
+    d = nan_like(chunk[:1])
+    ops.decode_attention(d, chunk[16:], pool.key_cache, pool.value_cache, pool.block_tables[:1], lens, pool.scale,
+                         pool.k_scale, pool.v_scale, **kw)
+    return out[16], d[0]
+
+
+def test_batch_mixes_differ_without_the_mode():
+    """The invariance tests above prove something only if, without the mode, a row's bits do
+    depend on the batch somewhere: some available backend must show it (here: triton's split
+    count follows the batch, cuda_emu's prefill kernel rounds otherwise than its decode kernel,
+    cpu's split count follows the thread count). Cheapest backends first; stops at the first."""
+    found = []
+    for backend in sorted(BACKENDS, key=lambda b: b == "triton"):
+        device = device_of(backend)
+        ops = paged_ops.backend(backend)
+        pool, chunk = invariance_pool(F32, device)
+        row, decode = _row_vs_decode(ops, pool, chunk)
+        if not torch.equal(bits(row), bits(decode)):
+            found.append(f"{backend}: prefill row != decode")
+            break
+        alone = run_decode(ops, sub_batch(pool, [0], 0), {}, 1)[0][0]
+        for i, rows in enumerate(BATCH_MIXES[1:]):
+            mixed = run_decode(ops, sub_batch(pool, rows, i % 3), {}, len(rows))[0][rows.index(0)]
+            if not torch.equal(bits(mixed), bits(alone)):
+                found.append(f"{backend}: batch {rows} != alone")
+                break
+        if found:
+            break
+    assert found, "no backend's bits depend on the batch without the mode: the invariance tests prove nothing"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batch_invariant_context_and_env_reach_the_kernels(backend, monkeypatch):
+    """paged_ops.batch_invariant() and PAGED_OPS_BATCH_INVARIANT=1 give the bits of
+    batch_invariant=True (the public op resolves them; the kernels see one flag), on torch.ops.paged
+    routed to the backend, and the mode's prefill row equals its decode."""
+    device = device_of(backend)
+    pool, chunk = invariance_pool(F32, device, seed=8)
+    ops = paged_ops.backend(backend)
+    want = _row_vs_decode(ops, pool, chunk, batch_invariant=True)
+    assert_bits_equal(want[0], want[1], "in the mode, the prefill row is the decode")
+    with paged_ops.use_backend(backend):
+        with paged_ops.batch_invariant():
+            by_context = _row_vs_decode(torch.ops.paged, pool, chunk)
+        monkeypatch.setenv("PAGED_OPS_BATCH_INVARIANT", "1")
+        by_env = _row_vs_decode(torch.ops.paged, pool, chunk)
+    for got, how in ((by_context, "paged_ops.batch_invariant()"), (by_env, "PAGED_OPS_BATCH_INVARIANT=1")):
+        assert_bits_equal(got[0], want[0], f"prefill row, {how}")
+        assert_bits_equal(got[1], want[1], f"decode, {how}")
+
+
 # ---------------------------------------------------------------------------------------------
 # reshape_and_cache
 
