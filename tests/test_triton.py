@@ -580,3 +580,20 @@ def test_cascade_prefix_then_suffix_merges_to_full_attention():
     out = nan_like(case.query)
     triton_backend.merge_attention_states(out, None, *parts)
     assert_close(out, case.reference_prefill(), F32)
+
+
+def test_batch_invariant_rows_launched_in_chunks_give_the_same_bits(monkeypatch):
+    # Long prefills against long tables launch their rows in chunks (the partials stay under
+    # BATCH_INVARIANT_SCRATCH_BYTES): a row's bits must not depend on the chunk it lands in.
+    case = make_case([300, 40], [7, 5], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=13,
+                     device=DEVICE)
+    kw = _on(_variant_args("sinks", 4), DEVICE)
+    whole, whole_lse = nan_like(case.query), _nan_lse(case)
+    triton_backend.prefill_attention(*case.prefill_args(whole), lse=whole_lse, batch_invariant=True, **kw)
+    per_row = 4 * 2 * 64 * 4  # num_heads x num_splits (2 of 256 keys) x head_size x fp32
+    monkeypatch.setattr(decode, "BATCH_INVARIANT_SCRATCH_BYTES", 5 * per_row)  # chunks of 5 rows: 5 + 5 + 2
+    chunked, chunked_lse = nan_like(case.query), _nan_lse(case)
+    triton_backend.prefill_attention(*case.prefill_args(chunked), lse=chunked_lse, batch_invariant=True, **kw)
+    assert_bits_equal(chunked, whole)
+    assert_bits_equal(chunked_lse, whole_lse)
+    assert_close(whole, _reference(case, {"sinks": kw["sinks"].cpu()}, decode_op=False)[0], F32)
