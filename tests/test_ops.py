@@ -931,13 +931,14 @@ def test_batch_invariant_context_and_env_reach_the_kernels(backend, monkeypatch)
     device = device_of(backend)
     pool, chunk = invariance_pool(F32, device, seed=8)
     ops = paged_ops.backend(backend)
-    want = _row_vs_decode(ops, pool, chunk, batch_invariant=True)
+    target_len = 700  # the target's first 700 tokens: still split (256-token splits in the mode), cheaper
+    want = _row_vs_decode(ops, pool, chunk, target_len, batch_invariant=True)
     assert_bits_equal(want[0], want[1], "in the mode, the prefill row is the decode")
     with paged_ops.use_backend(backend):
         with paged_ops.batch_invariant():
-            by_context = _row_vs_decode(torch.ops.paged, pool, chunk)
+            by_context = _row_vs_decode(torch.ops.paged, pool, chunk, target_len)
         monkeypatch.setenv("PAGED_OPS_BATCH_INVARIANT", "1")
-        by_env = _row_vs_decode(torch.ops.paged, pool, chunk)
+        by_env = _row_vs_decode(torch.ops.paged, pool, chunk, target_len)
     for got, how in ((by_context, "paged_ops.batch_invariant()"), (by_env, "PAGED_OPS_BATCH_INVARIANT=1")):
         assert_bits_equal(got[0], want[0], f"prefill row, {how}")
         assert_bits_equal(got[1], want[1], f"decode, {how}")
