@@ -825,3 +825,28 @@ def test_batch_invariant_reaches_decode(mode_seen, monkeypatch):
         backends.Backend("triton").decode_attention(*d.decode_args(nan_like(d.query)))
     backends.Backend("triton").decode_attention(*d.decode_args(nan_like(d.query)))
     assert seen == [True, False]
+
+
+def test_batch_invariant_around_a_compiled_call(mode_seen):
+    """The mode is read when the op runs, not when it is traced: a compiled function called inside
+    the block runs in the mode, the same compiled code outside it does not (no recompile)."""
+    from paged_ops import backends
+
+    seen = []
+    backends._triton().prefill_attention = lambda *args: seen.append(args[-1])
+    c = small_case()
+
+    def step(query):
+        out = torch.empty_like(query)
+        torch.ops.paged.prefill_attention(out, query * 1.0, c.key_cache, c.value_cache, c.block_tables, c.cu_seqlens_q,
+                                          c.seq_lens, c.max_seqlen_q, c.scale, True, None, None, softcap=2.0)
+        return out
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    with paged_ops.use_backend("triton"):
+        compiled(c.query)
+        with paged_ops.batch_invariant():
+            compiled(c.query)
+        compiled(c.query)
+    assert seen == [False, True, False]
