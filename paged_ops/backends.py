@@ -149,8 +149,10 @@ def batch_invariant(enabled: bool = True):
     nest (the innermost wins); a call's own ``batch_invariant=True`` always turns it on.
 
     The flag is a C++ thread-local the op reads per call, so it holds for the whole block on
-    this thread (compiled graphs included) and never reaches other threads; unlike
-    ``use_backend`` it does not follow asyncio tasks (tasks on one thread share it)."""
+    this thread and never reaches other threads; unlike ``use_backend`` it does not follow
+    asyncio tasks (tasks on one thread share it). Compiled code called inside the block runs in
+    the mode (the flag is read when the op runs); the block itself cannot be inside a function
+    ``torch.compile`` traces (a graph break; pass ``batch_invariant=True`` to the op there)."""
     previous = _C._swap_batch_invariant(1 if enabled else 0)
     try:
         yield
