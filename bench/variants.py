@@ -6,7 +6,10 @@
   W = 4096 keys (``window_left = W - 1``: the query sees itself and the W - 1 keys before it, so
   at L = 4k the window hides nothing). A kernel that skips the blocks before the window costs the
   same at every L with the window (ratio to L = 4k ~1), while without it the cost grows with L
-  (~4x, ~16x). cpu at the foundation issue's head shape (32/8 heads, d128, bf16, block 16, 4
+  (~4x, ~16x). The control: a plain decode of just the blocks the window covers (same caches, block
+  tables cut to them): window / control ~ 1 at every L says the window costs what its own blocks cost
+  (a larger pool alone makes scattered blocks dearer, page-table walks, and the control shares that).
+  cpu at the foundation issue's head shape (32/8 heads, d128, bf16, block 16, 4
   sequences); cuda_emu (the CUDA kernels run on the CPU by the emulator: its time is work done,
   not GPU speed) and the Triton interpreter at small head counts, where their time is still
   proportional to the blocks their loops visit.
@@ -92,8 +95,25 @@ def _kv_bytes(case: K.Case, keys_per_seq: int) -> int:
     return 2 * case.num_seqs * keys_per_seq * case.num_kv_heads * case.head_size * case.cache_torch_dtype.itemsize
 
 
+def window_blocks_alone(args: tuple, context_len: int, window: int, block_size: int) -> tuple | None:
+    """The control of a windowed decode: a plain decode of exactly the blocks the window covers (each
+    sequence's block-table row cut to them, seq_lens = window), same caches. It reads the same
+    physical blocks spread over the same pool, so (window time) / (this time) ~ 1 says the window
+    costs what its own blocks cost, whatever L; the pool's size still matters by itself (blocks
+    scattered over more memory cost more: page-table walks), which this control shares. None when
+    the window does not start at a block boundary."""
+    start = context_len - window
+    if start < 0 or start % block_size or window % block_size:
+        return None
+    out, query, key_cache, value_cache, block_tables, seq_lens, *rest = args
+    first = start // block_size
+    cut = block_tables[:, first:first + window // block_size].contiguous()
+    return (out, query, key_cache, value_cache, cut, torch.full_like(seq_lens, window), *rest)
+
+
 def window_rows(backend: str, scale: WindowScale) -> list[dict]:
-    """One row per context: no window vs the window, same input sets, interleaved."""
+    """One row per context: no window, the window, and the window's blocks alone (the control),
+    same input sets, interleaved."""
     kernel = K.kernel(backend, "decode_attention")
     device = _device(backend)
     windowed = {"window_left": scale.window - 1}
@@ -115,17 +135,20 @@ def window_rows(backend: str, scale: WindowScale) -> list[dict]:
             assert not torch.equal(full_out, sets[0][0]), f"{backend}: window_left={scale.window - 1} changed nothing at L={L}"
         t0 = common.interleaved_best({"full": (kernel, sets[:1])}, rounds=1, device=device)["full"]
         rounds = common.rounds_for(t0, scale.target_s)
-        best = common.interleaved_best({
-            "full": (kernel, sets),
-            "window": (lambda *a: kernel(*a, **windowed), sets),
-        }, rounds, device)
+        calls = {"full": (kernel, sets), "window": (lambda *a: kernel(*a, **windowed), sets)}
+        alone = [window_blocks_alone(a, L, scale.window, case.block_size) for a in sets]
+        if all(a is not None for a in alone):
+            calls["alone"] = (kernel, alone)
+        best = common.interleaved_best(calls, rounds, device)
         row |= {"status": "ok", "rounds": rounds, "seconds_full": best["full"], "seconds_window": best["window"],
                 "gbps_full": _kv_bytes(case, L) / best["full"] / 1e9,
                 "gbps_window": _kv_bytes(case, min(L, scale.window)) / best["window"] / 1e9}
+        if "alone" in best:
+            row |= {"seconds_window_blocks_alone": best["alone"], "window_vs_alone": best["window"] / best["alone"]}
         if backend == "cpu":
             row |= {"cpu_isa": common.cpu_isa(), "threads": torch.get_num_threads()}
         rows.append(row)
-        del sets
+        del sets, calls, alone
     base = {r["backend"]: r for r in rows if r.get("status") == "ok" and r["context_len"] == scale.contexts[0]}
     for r in rows:
         b = base.get(r["backend"])
@@ -141,12 +164,14 @@ def window_table(rows: list[dict]) -> str:
         shape = (f"{r['num_seqs']} x L, {r['num_heads']}/{r['num_kv_heads']} heads, d{r['head_size']}, "
                  f"{r['dtype']}, block {r['block_size']}")
         if r.get("status") != "ok":
-            out.append([r["backend"], shape, r["context_len"], r["window"], r["status"], "", "", "", ""])
+            out.append([r["backend"], shape, r["context_len"], r["window"], r["status"], "", "", "", "", ""])
             continue
+        alone = r.get("seconds_window_blocks_alone")
         out.append([r["backend"], shape, r["context_len"], r["window"], 1e3 * r["seconds_full"], r["full_vs_first"],
-                    1e3 * r["seconds_window"], r["window_vs_first"], r["gbps_window"]])
+                    1e3 * r["seconds_window"], r["window_vs_first"], "n/a" if alone is None else 1e3 * alone,
+                    r.get("window_vs_alone", "n/a")])
     return common.markdown_table(["backend", "shape", "L", "W", "no window: ms", "x first L", "window: ms",
-                                  "x first L", "window GB/s (visible KV)"], out)
+                                  "x first L", "window's blocks alone: ms", "window / alone"], out)
 
 
 # ---------------------------------------------------------------- batch-invariant mode

@@ -106,6 +106,22 @@ def _run_bench_module(module: str, tmp_path, *args) -> dict:
     return json.loads(result.read_text())
 
 
+def test_variants_benchmark_runs(tmp_path):
+    """bench.variants (issue #13): the window benchmark times cpu and cuda_emu with and without a
+    window (and itself asserts that the window changed the output where L > W), the batch-invariant
+    benchmark times decode and prefill in and out of the mode; rows and ratios are written."""
+    v = _run_bench_module("bench.variants", tmp_path)["variants"]
+    window = [r for r in v["window"] if r["backend"] == "cpu"]
+    assert [r["context_len"] for r in window] == [64, 256]
+    for r in window + [r for r in v["window"] if r["backend"] == "cuda_emu"]:
+        assert r["status"] == "ok", r
+        assert r["seconds_full"] > 0 and r["seconds_window"] > 0 and r["window_vs_first"] > 0, r
+        assert r["seconds_window_blocks_alone"] > 0 and r["window_vs_alone"] > 0, r  # the control ran
+    assert {r["op"] for r in v["batch_invariant"]} == {"decode_attention", "prefill_attention"}
+    for r in v["batch_invariant"]:
+        assert r["status"] == "ok" and r["seconds_in"] > 0 and r["seconds_out"] > 0 and r["cost"] > 0, r
+
+
 def test_variants_tables_say_what_is_missing():
     """A backend without an argument yet gets a row saying so instead of a time."""
     from bench import variants as V
