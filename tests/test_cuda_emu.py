@@ -1,6 +1,9 @@
 """What is specific to the CUDA kernels (csrc/kernels) run by the CPU emulator (backend
 ``cuda_emu``): forced launch configurations (split-KV, one pass, shared-KV chunking, CUDA-core
-prefill), unaligned cache staging, the KV bytes each kernel reads, and self-tests of the emulator.
+prefill), unaligned cache staging, the KV bytes each kernel reads, the decode variants of issue #13
+on every decode path (a window reads only its own K/V bytes), merge_attention_states, the
+batch-invariant mode (torch.equal across batch mixes and chunked prefill vs decode), and
+self-tests of the emulator.
 The op contract over the emulator's pairwise grid runs in tests/test_ops.py.
 
 Same inputs and error budget as there (paged_ops.testing: fresh random inputs, outputs and unused

@@ -1,20 +1,22 @@
 """What is specific to the CUDA backend on a real GPU: forced launch configurations (split-KV,
-one pass, shared-KV chunking for groups > 8, tensor-core vs CUDA-core prefill on the same cases)
-and the tuner. The op contract (decode, prefill, reshape_and_cache, fp8, copy, host<->device swap)
+one pass, shared-KV chunking for groups > 8, tensor-core vs CUDA-core prefill on the same cases),
+the tuner, and issue #13's decode variants (out and lse), merge_attention_states and the
+batch-invariant mode (bitwise across batches, configurations and chunked prefill vs decode). The op contract (decode, prefill, reshape_and_cache, fp8, copy, host<->device swap)
 runs for backend ``cuda`` on CUDA tensors in tests/test_ops.py. Collected only when a GPU is
 present: the cases are parametrized over the available CUDA devices, so without one there is
 nothing to run (and nothing reported as skipped-but-passing).
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 import paged_ops
-from paged_ops.testing import FP8_DTYPES as FP8
 from paged_ops import reference
+from paged_ops.testing import FP8_DTYPES as FP8
 from paged_ops.testing import assert_close, make_case, nan_like
 
 DEVICES = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
@@ -198,7 +200,6 @@ def test_merge_attention_states(device, dtype):
 def test_batch_invariant(device, group):
     # A row's out and lse are bitwise the same alone, in other batches (that split or not, under
     # configurations that change the plan outside the mode) and as rows of a chunked prefill.
-    import dataclasses
     case = to_device(make_case([5, 3000, 1500, 40], q_lens=[1, 1, 7, 1], num_heads=2 * group, num_kv_heads=2,
                                head_size=128, block_size=16, dtype=torch.bfloat16, seed=group), device)
     kw = variant_args(2 * group, device, seed=1, softcap=3.0, window_left=1000, sinks=True, alibi=True)

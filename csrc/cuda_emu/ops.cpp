@@ -80,9 +80,10 @@ void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& ke
                        max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 
-// decode_attention_config that also returns how many bytes its kernels read from the two KV
-// caches' storages (through the kernels' load helpers). Tests compare it with the bytes of the
-// live tokens to prove each KV token is read once per query group.
+// decode_attention_config (with an optional sliding window) that also returns how many bytes its
+// kernels read from the two KV caches' storages (through the kernels' load helpers). Tests compare
+// it with the bytes of the live tokens to prove each KV token is read once per query group, and
+// that a window reads only its own tokens.
 int64_t decode_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
                              const Tensor& block_tables, const Tensor& seq_lens, double scale,
                              const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config,
