@@ -3,7 +3,8 @@
 #
 #   bash bench/device_check.sh
 #
-# With a GPU: build with the CUDA kernels (arch 90), run the CUDA/Triton GPU tests, the GPU-only
+# With a GPU: build with the CUDA kernels (arch 90), run the CUDA/Triton GPU tests (the #13 variant,
+# merge and batch-invariant tests of test_cuda_gpu.py and test_cuda_prefill_variants.py included), the GPU-only
 # device checks (tests/test_cuda_device_checks.py: odd-offset cache views, tensor-core prefill at head
 # sizes 8/24/136/200, fp8 with head 24, one real cache over 2^31 elements, the kernel-bug regressions),
 # compute-sanitizer memcheck over the CUDA tests and racecheck + synccheck over the shared-KV decode
@@ -12,8 +13,8 @@
 # device copy bandwidth, bf16 matmul, FlexAttention paged decode; prefill vs SDPA flash) and the
 # attention-variant benchmarks (bench/variants.py: sliding-window decode, batch-invariant cost). Without a
 # GPU: the small CPU benchmarks only.
-# Every step has a time limit (BUILD_S 150 + TESTS_S 50 + CONTRACT_S 80 + DEVICE_S 30 + MEMCHECK_S 35
-# + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 25 + VARIANTS_S 40 + BENCH_S 55 = 515 s: under 9 minutes,
+# Every step has a time limit (BUILD_S 150 + TESTS_S 50 + VARIANTS_TESTS_S 40 + CONTRACT_S 80 + DEVICE_S 30
+# + MEMCHECK_S 35 + RACECHECK_S 30 + SYNCCHECK_S 20 + ENGINE_S 25 + VARIANTS_S 40 + BENCH_S 55 = 555 s:
 # inside one 10-minute device command; the limits are budgets, not measurements: no step has run on a
 # GPU yet); results (JSON, PNG) and logs go to
 # bench/results/device-check-<UTC time>/ and
@@ -56,6 +57,10 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     step build "${BUILD_S:-150}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
     GPU_TESTS=$(ls tests/test_cuda_gpu.py tests/test_triton.py 2>/dev/null)
     step gpu-tests "${TESTS_S:-50}" "$PY" -m pytest -q -x -p no:cacheprovider $GPU_TESTS
+    # the attention variants of #13 in both CUDA prefill kernels on the GPU (tensor-core mma.sync,
+    # tanhf/exp2f), the GPU targets of the emulator-and-GPU suite (its emulator cases run in make test)
+    step gpu-variants "${VARIANTS_TESTS_S:-40}" "$PY" -m pytest -q -p no:cacheprovider \
+        tests/test_cuda_prefill_variants.py -k "[cuda:"
     # the op contract on CUDA tensors: tests/test_ops.py's cuda and triton cases (its cpu and
     # cuda_emu cases run in `make test`)
     step gpu-contract "${CONTRACT_S:-80}" "$PY" -m pytest -q -p no:cacheprovider tests/test_ops.py \
@@ -67,7 +72,7 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
         # memcheck slows kernels ~100x: the CUDA tests' smaller cases only
         step memcheck "${MEMCHECK_S:-35}" compute-sanitizer --tool memcheck --error-exitcode 99 \
             --target-processes all "$PY" -m pytest -q -x -p no:cacheprovider tests/test_cuda_gpu.py \
-            -k "${MEMCHECK_K:-decode or prefill or reshape}" --maxfail=1
+            -k "${MEMCHECK_K:-decode or prefill or reshape or merge}" --maxfail=1
         # shared-memory hazards (racecheck) and barrier misuse (synccheck) in the two kernels that
         # stage through shared memory with barriers: the shared-KV decode (cp.async double buffer)
         # and the tensor-core prefill; the small cases of test_cuda_device_checks.py keep them inside
