@@ -448,10 +448,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
             std::fill(s, s + kTileTokens, 0.f);
             continue;
           }
+          if (p.softcap > 0.f)  // the whole tile, before the mask (a capped -inf is -softcap)
+            for (int c = 0; c < kTileTokens; c += 8) Vec8::softcap(Vec8::load(s + c), p.softcap).store(s + c);
           std::fill(s, s + first, kNegInf);
           std::fill(s + last, s + kTileTokens, kNegInf);
-          if (p.softcap > 0.f)
-            for (int j = first; j < last; ++j) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
           if (p.alibi_slopes != nullptr) {  // + slope * (j - p), the key's distance to the query
             const float slope = p.alibi_slopes[h * group + r % group];
             const int64_t distance = j0 - w.position[r];

@@ -126,6 +126,26 @@ struct Vec8 {
     const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return {_mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n)))};
   }
+  // cap * tanh(x / cap), the logit soft-cap: Cephes' tanhf polynomial below |x / cap| = 0.625,
+  // else (1 - e) / (1 + e) with e = exp(-2 |x / cap|), which does not cancel there (a few ulp).
+  // NaN stays NaN, +-inf gives +-cap. One libm tanhf per score cost more than the whole tile.
+  static Vec8 softcap(Vec8 s, float cap) {
+    const __m256 x = _mm256_div_ps(s.v, _mm256_set1_ps(cap));
+    const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.f));
+    const __m256 a = _mm256_xor_ps(x, sign);  // |x|
+    const __m256 one = _mm256_set1_ps(1.f);
+    const __m256 e = exp({_mm256_mul_ps(a, _mm256_set1_ps(-2.f))}).v;
+    const __m256 large = _mm256_xor_ps(_mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)), sign);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+    p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+    const __m256 t = _mm256_blendv_ps(large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+    return {_mm256_mul_ps(t, _mm256_set1_ps(cap))};
+  }
   float sum() const {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -186,6 +206,11 @@ struct Vec8 {
   static Vec8 exp(Vec8 x) {
     Vec8 r;
     for (int i = 0; i < 8; ++i) r.v[i] = std::exp(x.v[i]);
+    return r;
+  }
+  static Vec8 softcap(Vec8 s, float cap) {  // cap * tanh(x / cap), the logit soft-cap
+    Vec8 r;
+    for (int i = 0; i < 8; ++i) r.v[i] = cap * std::tanh(s.v[i] / cap);
     return r;
   }
   float sum() const {
