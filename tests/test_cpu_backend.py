@@ -521,3 +521,26 @@ def test_variants_on_every_isa(isa, batch_invariant):
         ref, ref_lse = reference_rows(case, kw, causal=causal)
         assert_close(out, ref, torch.bfloat16, f"{isa}, causal={causal}")
         assert_lse(lse, ref_lse)
+
+
+def test_softcap_both_tanh_branches_and_infinite_scores(isa):
+    # Scores up to ~+-60 against caps 0.5..30 take both branches of the vectorized tanh (below and
+    # above |s / cap| = 0.625); keys of -inf / +inf (e5m2 0xFC / 0x7C) give scores -inf / +inf,
+    # which the cap makes -cap / +cap (finite), as in the reference.
+    for cap in (0.5, 1.5, 30.0):
+        case = make_case([300, 41], num_heads=4, num_kv_heads=1, head_size=64, dtype=torch.float32, seed=13)
+        case.query.mul_(8)
+        out, lse = run_cpu(case, dict(softcap=cap), decode=True)
+        ref, ref_lse = reference_rows(case, dict(softcap=cap), decode=True)
+        assert_close(out, ref, torch.float32, f"{isa}, cap {cap}")
+        assert_lse(lse, ref_lse)
+    kc = torch.randn(4, 16, 1, 64).to(torch.float8_e5m2)
+    vc = torch.randn(4, 16, 1, 64).to(torch.float8_e5m2)
+    kc.view(torch.uint8)[0, :5] = 0xFC
+    kc.view(torch.uint8)[1, 3:9] = 0x7C
+    q = torch.rand(1, 4, 64) + 0.5  # q > 0: those keys score -inf / +inf
+    tables, lens, scale = torch.tensor([[2, 0, 1, 3]], dtype=torch.int32), torch.tensor([60], dtype=torch.int32), torch.tensor([0.5])
+    out, ref = nan_like(q), torch.empty(q.shape, dtype=torch.float64)
+    cpu.decode_attention(out, q, kc, vc, tables, lens, 0.125, scale, scale, softcap=2.0)
+    reference.decode_attention(ref, q.double(), kc, vc, tables, lens, 0.125, scale, scale, softcap=2.0)
+    assert_close(out, ref, torch.float32, isa)
