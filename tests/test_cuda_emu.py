@@ -361,7 +361,8 @@ def test_batch_invariant_prefill_rows_equal_decode(group, variant):
     # Chunked prefill in the mode: each query row of a prefill chunk (any q_len, any position in a
     # batch of other sequences) is bitwise the decode of its sequence cut at the row's position.
     kw = variant_args(2 * group, seed=7, **(VARIANTS[variant] if variant != "plain" else {}))
-    seq_lens, q_lens = [300, 9, 560, 20], [5, 9, 3, 0]
+    # sequences with no rows first, in the middle and last: each row must find its own sequence
+    seq_lens, q_lens = [7, 300, 12, 9, 560, 20], [0, 5, 0, 9, 3, 0]
     case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=16,
                      dtype=torch.float16, seed=group)
     out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))

@@ -135,20 +135,18 @@ __device__ __forceinline__ float query_multiplier(const AttentionParams& p) {
 }
 
 // The score modifications after q . k, per lane for its G heads: soft-cap, then ALiBi, leaving the
-// score in the log2 domain.
+// score in the log2 domain. The slopes are read per key (L1 hits) rather than held in G registers
+// beside the group-8 kernel's q and accumulators.
 template <int G>
 struct ScoreMod {
-  float cap, cap_log2;  // softcap, softcap * log2(e); cap = 0: none
-  float slope[G];       // ALiBi slope * log2(e) of each head; alibi = false: none
-  bool alibi;
+  float cap, cap_log2;   // softcap, softcap * log2(e); cap = 0: none
+  const float* slopes;   // ALiBi slopes of heads head0 .. head0 + G - 1; nullptr: none
   int pos;
-  __device__ __forceinline__ void init(const AttentionParams& p, int head0, int gcount, int position) {
+  __device__ __forceinline__ void init(const AttentionParams& p, int head0, int position) {
     cap = p.softcap;
     cap_log2 = p.softcap * kLog2e;
-    alibi = p.alibi_slopes != nullptr;
+    slopes = p.alibi_slopes ? p.alibi_slopes + head0 : nullptr;
     pos = position;
-#pragma unroll
-    for (int g = 0; g < G; ++g) slope[g] = alibi && g < gcount ? p.alibi_slopes[head0 + g] * kLog2e : 0.f;
   }
   // s: the G heads' scores of key t.
   __device__ __forceinline__ void apply(float (&s)[G], int t, int gcount) const {
@@ -157,11 +155,11 @@ struct ScoreMod {
       for (int g = 0; g < G; ++g)
         if (g < gcount) s[g] = cap_log2 * tanhf(s[g] / cap);
     }
-    if (alibi) {
-      const float distance = float(t - pos);  // j - p, exact below 2^24
+    if (slopes) {
+      const float distance = float(t - pos) * kLog2e;  // (j - p) log2(e); j - p exact below 2^24
 #pragma unroll
       for (int g = 0; g < G; ++g)
-        if (g < gcount) s[g] += slope[g] * distance;
+        if (g < gcount) s[g] += slopes[g] * distance;
     }
   }
 };
@@ -349,7 +347,7 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool spl
   float q[kGroupTile][8];
   load_q<T>(q, p, row, head0, group, d0, active);
   ScoreMod<kGroupTile> mod;
-  mod.init(p, head0, group, rs.pos);
+  mod.init(p, head0, rs.pos);
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
@@ -431,7 +429,7 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
   float q[kMaxGroupTile][8];
   load_q<T>(q, p, row, head0 + tile * kMaxGroupTile, gcount, d0, active);
   ScoreMod<kMaxGroupTile> mod;
-  mod.init(p, head0 + tile * kMaxGroupTile, gcount, rs.pos);
+  mod.init(p, head0 + tile * kMaxGroupTile, rs.pos);
   const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
