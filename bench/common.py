@@ -280,6 +280,7 @@ RATE_KINDS = {
     "swap_blocks": ("gbps", "cache ops: GB/s read + written"),
     "quantize_fp8": ("gbps", "cache ops: GB/s read + written"),
     "dequantize_fp8": ("gbps", "cache ops: GB/s read + written"),
+    "merge_attention_states": ("gbps", "cache ops: GB/s read + written"),
     "prefill_attention": ("tflops", "prefill: TFLOP/s (causal attention)"),
 }
 

@@ -106,7 +106,8 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("reshape_and_cache", "base", **small), bs, dtypes=("fp8_e4m3",))
                 + _sweeps(Case("copy_blocks", "base", num_layers=2, **small), bs)
                 + _sweeps(Case("swap_blocks", "base", **small), bs)
-                + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small)])
+                + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small),
+                   Case("merge_attention_states", "dtype", **small)])
     if profile == "gpu":  # device_check.sh: ~3 minutes for cuda + triton, Triton JIT and tuning included
         few = (1, 16, 256)
         # kv_heads 2 and 1: groups 16 and 32, the CUDA decode's shared-KV kernel (one block per KV head)
@@ -116,13 +117,15 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("reshape_and_cache", "base", num_seqs=32, context_len=1024), few, dtypes=("fp8_e4m3",))
                 + _sweeps(Case("copy_blocks", "base", num_seqs=32, context_len=2048, num_layers=8), few)
                 + _sweeps(Case("swap_blocks", "base", num_seqs=32, context_len=2048), few)
-                + [Case(op, "dtype", num_seqs=32, context_len=1024) for op in ("quantize_fp8", "dequantize_fp8")])
+                + [Case(op, "dtype", num_seqs=32, context_len=1024)
+                   for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states")])
     if profile == "cpu-small":  # device_check.sh on a machine without a GPU: about a minute
         return (_sweeps(dec, (1, 16, 256), dtypes=("fp8_e4m3",))
                 + _sweeps(Case("prefill_attention", "base", num_seqs=1, context_len=512), (16,))
                 + [Case(op, "block_size", num_seqs=16, context_len=256, num_layers=2)
                    for op in ("reshape_and_cache", "copy_blocks", "swap_blocks")]
-                + [Case(op, "dtype", num_seqs=16, context_len=256) for op in ("quantize_fp8", "dequantize_fp8")])
+                + [Case(op, "dtype", num_seqs=16, context_len=256)
+                   for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states")])
     # cpu: sized for ~10 minutes of `make bench` on 2 shared cores
     return (_sweeps(dec, contexts=(256, 1024, 4096), batches=(1, 4, 64), kv_heads=(32, 16, 4),
                     dtypes=("float32", "float16", "fp8_e4m3"))
@@ -132,7 +135,7 @@ def cases(profile: str) -> list[Case]:
             + _sweeps(Case("copy_blocks", "base", num_seqs=16, context_len=1024, num_layers=4))
             + _sweeps(Case("swap_blocks", "base", num_seqs=16, context_len=1024))
             + [Case(op, "dtype", num_seqs=16, context_len=256, dtype=d)
-               for op in ("quantize_fp8", "dequantize_fp8") for d in ("bfloat16", "float32")])
+               for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states") for d in ("bfloat16", "float32")])
 
 
 def default_profile() -> str:
@@ -236,6 +239,12 @@ def build_args(case: Case, device: str, seed: int) -> tuple:
         src, _ = _pool(c, device, g)
         dst = torch.empty_like(src)
         return (src, dst, _copy_mapping(src.shape[0], seed))  # the contract wants the mapping on the CPU
+    if c.op == "merge_attention_states":
+        # num_seqs x context_len query rows merged from two partial results (cascade attention);
+        # lses: float32 [num_tokens, num_heads], finite, spread so both sides weigh in
+        parts = [_rand((c.num_tokens, c.num_heads, c.head_size), dt, device, g) for _ in range(2)]
+        lses = [torch.randn(c.num_tokens, c.num_heads, device=device, generator=g).mul_(4) for _ in range(2)]
+        return (torch.empty_like(parts[0]), torch.empty_like(lses[0]), parts[0], lses[0], parts[1], lses[1])
     if c.op in ("quantize_fp8", "dequantize_fp8"):
         x = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
         f8 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
@@ -283,6 +292,8 @@ def bytes_moved(case: Case) -> int:
         return 2 * n * block * tensors  # read + write
     if c.op in ("quantize_fp8", "dequantize_fp8"):
         return c.num_tokens * row * (el + 1)
+    if c.op == "merge_attention_states":  # read two partial outs and lses, write the out and its lse
+        return 3 * c.num_tokens * c.num_heads * (c.head_size * el + 4)
     raise ValueError(c.op)
 
 
