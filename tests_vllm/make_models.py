@@ -1,4 +1,5 @@
-"""Tiny random Llama / Qwen2 / Mistral checkpoints written with save_pretrained (no hub access).
+"""Tiny random Llama / Qwen2 / Mistral / Gemma 2 / gpt-oss checkpoints written with save_pretrained
+(no hub access).
 
 Sizes: 2 layers, hidden 128, 4 query / 2 KV heads of head size 32 (GQA), vocab 512. The weights
 are drawn with initializer_range 0.2 (not transformers' 0.02) so the next-token logits are spread
@@ -16,14 +17,56 @@ COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_a
               tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+# The attention variants (#13): windows shorter than the test prompts (up to ~300 tokens) and not a
+# multiple of the block size, so the window starts mid-block and vLLM frees blocks behind it.
+WINDOW = 40
+VARIANT_KINDS = {
+    # Mistral with every layer windowed.
+    "mistral-window": ("mistral", dict(sliding_window=WINDOW)),
+    # Gemma 2: soft-capped logits (a cap low enough to bind at these weights) and alternating
+    # windowed / global layers; query_pre_attn_scalar = head_dim keeps the usual 1/sqrt(d) scale.
+    # vLLM's Gemma 2 always ties the embeddings (it refuses an lm_head).
+    "gemma2": ("gemma2", dict(head_dim=32, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+                              final_logit_softcapping=30.0, sliding_window=WINDOW,
+                              layer_types=["sliding_attention", "full_attention"], bos_token_id=1,
+                              eos_token_id=2, tie_word_embeddings=True)),
+    # gpt-oss: a sink per head, alternating windowed / global layers, a tiny mixture of experts.
+    "gpt-oss": ("gpt_oss", dict(head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                layer_types=["sliding_attention", "full_attention"])),
+    # BLOOM: ALiBi (vLLM passes the slopes as a list); no GQA, so 4 query and 4 KV heads; vLLM
+    # ties its embeddings.
+    "bloom": ("bloom", dict(n_layer=2, n_head=4, num_key_value_heads=4, num_attention_heads=4,
+                            tie_word_embeddings=True)),
+}
+
+
 def make(kind: str, path: str, seed: int = 0) -> str:
     import transformers
+    base, variant = VARIANT_KINDS.get(kind, (kind, {}))
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-               "mistral": transformers.MistralConfig}[kind]
-    extra = {"sliding_window": None} if kind in ("qwen2", "mistral") else {}
+               "mistral": transformers.MistralConfig, "gemma2": transformers.Gemma2Config,
+               "gpt_oss": transformers.GptOssConfig, "bloom": transformers.BloomConfig}[base]
+    extra = {"sliding_window": None} if base in ("qwen2", "mistral") else {}
+    extra |= variant
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**COMMON, **extra), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg_cls(**(COMMON | extra)), dtype=torch.float32)
+    if base == "gemma2":
+        # Gemma scales embeddings by sqrt(hidden_size) and normalizes each layer's output to unit
+        # RMS, so with tied embeddings and these weights the residual stream is mostly the input
+        # token's own embedding and greedy decoding repeats one token; smaller embeddings and
+        # layer outputs of RMS 3 (Gemma's norm scales by 1 + weight) let the layers, and so the
+        # attention, decide the next token.
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(0.25)
+            for layer in model.model.layers:
+                layer.post_attention_layernorm.weight.fill_(2.0)
+                layer.post_feedforward_layernorm.weight.fill_(2.0)
+    if base == "gpt_oss":
+        # transformers initialises the sinks to zero; spread them so they change the softmax.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
     model.save_pretrained(path)
     return path

