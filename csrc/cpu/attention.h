@@ -32,10 +32,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
+#include "bf16_dot.h"
 #include "vec8.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {
@@ -80,6 +82,9 @@ inline constexpr int64_t kMaxPartialRows = int64_t(1) << 14;
 // Multiply-adds below which a call runs on the calling thread: starting an OpenMP region costs
 // more than such a call's whole work.
 inline constexpr int64_t kMinParallelWork = int64_t(1) << 21;
+// Rows of a task (per KV head) from which the bf16 dot-product path is taken (bf16_dot.h): its
+// tile re-layout costs about as much as QK and PV of a few rows.
+inline constexpr int64_t kMinDotRows = 16;
 
 struct Task {
   int64_t seq, kv_head_begin, kv_head_end;  // KV heads [begin, end), each with its whole query group
@@ -96,6 +101,7 @@ struct Scratch {
   std::vector<double> acc, l;  // the running sums (see the top of the file)
   std::vector<double> fold_m, fold_w, fold_acc;  // the rows' folded chunks (fold_part)
   std::vector<int64_t> first_visible, last_visible, position;
+  std::vector<uint32_t> qb, kt, vp, pb;  // the bf16 dot-product path's layouts (bf16_dot.h)
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
   void resize(int64_t rows, int64_t heads, int head_size) {
@@ -111,6 +117,13 @@ struct Scratch {
     first_visible.resize(rows);
     last_visible.resize(rows);
     position.resize(rows);
+  }
+  void resize_dot(int64_t rows, int64_t heads, int head_size) {
+    const int64_t dv = (head_size + 31) / 32 * 32;
+    qb.resize(size_t(rows) * heads * head_size / 2);
+    kt.resize(size_t(head_size / 2) * kTileTokens);
+    vp.resize(size_t(kTileTokens / 2) * dv);
+    pb.resize(size_t(rows) * kTileTokens / 2);
   }
 };
 
@@ -357,6 +370,24 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     }
   }
   std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
+#if defined(__AVX512BF16__)
+  // bf16 caches on this build: QK and PV by bf16 dot products (bf16_dot.h) when the task has
+  // rows enough to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
+  // Never in batch-invariant mode: there decode and prefill rows must share one code path.
+  const bool dot = std::is_same_v<CT, c10::BFloat16> && !p.batch_invariant && rows >= kMinDotRows;
+  if (dot) {
+    // The query rows as they are (bf16, CT's dtype): QK's products are then exact in fp32 and
+    // the scale multiplies the fp32 scores (qk_dot), so scores and lse keep fp32 accuracy.
+    w.resize_dot(rows, heads, D);
+    for (int64_t hl = 0; hl < heads; ++hl)
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t token = t.q_begin + r / group, head = (t.kv_head_begin + hl) * group + r % group;
+        std::memcpy(&w.qb[(size_t(hl) * rows + r) * D / 2], query + token * p.q_stride_token + head * p.q_stride_head,
+                    size_t(D) * sizeof(QT));
+      }
+  }
+  const int dot_dv = (D + 31) / 32 * 32;
+#endif
   if (split && begin >= end)  // none of the rows sees this split: an empty part each
     for (int64_t row = 0; row < rows * heads; ++row) part_lse[t.partial_offset + row] = -std::numeric_limits<double>::infinity();
 
@@ -435,6 +466,16 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         double* acc = &w.acc[size_t(hl) * rows * D];
         float* m = &w.m[hl * rows];
         double* l = &w.l[hl * rows];
+#if defined(__AVX512BF16__)
+        if (dot) {
+          transpose_keys(reinterpret_cast<const uint16_t* const*>(k_rows), n, D, w.kt.data(), next);
+          const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
+          const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
+          for_dot_rows(rows, [&](auto R, int64_t r) {
+            qk_dot<R>(qb + size_t(r) * D / 2, D / 2, w.kt.data(), q_mul, &w.s[size_t(r) * kTileTokens]);
+          });
+        } else
+#endif
         if (const Finite* const* k_fast = as_finite(k_rows, n))
           for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
         else
@@ -485,6 +526,15 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           l[r] = l[r] * correction + sum.sum();
           m[r] = m_new;
         }
+#if defined(__AVX512BF16__)
+        if (dot) {
+          interleave_values(reinterpret_cast<const uint16_t* const*>(v_rows), n, D, w.vp.data(), dot_dv);
+          pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
+          for_dot_rows(rows, [&](auto R, int64_t r) {
+            pv_dot<R>(acc + size_t(r) * D, D, &w.pb[size_t(r) * kTileTokens / 2], w.vp.data(), dot_dv);
+          });
+        } else
+#endif
         if (const Finite* const* v_fast = as_finite(v_rows, n))
           for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
         else

@@ -8,7 +8,8 @@
 //   isa_avx2         -mavx2 -mfma -mf16c: the 8-lane intrinsics in vec8.h / convert.h
 //   isa_avx512       + -mavx512f -mavx512bw -mavx512vl: the same 8-lane code; only what the
 //                    compiler auto-vectorizes gets wider (no 16-lane kernels yet)
-//   isa_avx512_bf16  + -mavx512bf16: as isa_avx512 (no vdpbf16ps kernels yet)
+//   isa_avx512_bf16  + -mavx512bf16: as isa_avx512, but bf16 caches' QK and PV by vdpbf16ps
+//                    (bf16_dot.h) in tasks of 16+ rows per KV head, outside batch-invariant mode
 #pragma once
 #include "cpu/ops.h"
 

@@ -1,0 +1,165 @@
+// QK^T and PV of a tile with AVX-512 BF16 dot products (vdpbf16ps: each fp32 lane adds a pair
+// of bf16 products), for bf16 caches in the isa_avx512_bf16 build only (attention.h decides
+// when: not in batch-invariant mode, and only for tasks with enough rows to pay for the
+// tile's re-layout). QK takes the bf16 query and keys as they are (exact products, fp32 sums,
+// the scale applied to the fp32 scores), so scores and lse keep fp32 accuracy; PV rounds the
+// probabilities to bf16 (within the contract's bf16 tolerance) and adds each tile's fp32 sums
+// to the same fp64 accumulator as the 8-lane path. vdpbf16ps treats bf16 denormals as zero.
+//
+// Layouts, all in 32-bit words holding a pair of bf16:
+//   qb[row][dp]   the query row's columns (2dp, 2dp + 1)
+//   kt[dp][j]     the tile's keys transposed by column pair: token j's columns (2dp, 2dp + 1),
+//                 so one vector holds 16 tokens and QK needs no horizontal sums
+//   pb[row][jp]   the row's probabilities of tokens (2jp, 2jp + 1)
+//   vp[jp][c]     the tile's values interleaved by token pair: (v[2jp][c], v[2jp + 1][c])
+// Tokens past the tile's end are zero in kt / vp (their scores are masked afterwards).
+#pragma once
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace paged::cpu::PAGED_CPU_ISA_NS {
+
+inline constexpr int kDotTileTokens = 32;  // == kTileTokens (two 16-lane vectors of scores)
+
+// Rounds n floats (n even) to bf16 pairs, to nearest even (NaN stays NaN).
+inline void pack_bf16(const float* x, int n, uint32_t* out) {
+  int i = 0;
+  for (; i + 32 <= n; i += 32)
+    _mm512_storeu_si512(out + i / 2, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i + 16), _mm512_loadu_ps(x + i)));
+  for (; i < n; i += 2) {
+    const __m128bh pair = _mm_cvtneps_pbh(_mm_setr_ps(x[i], x[i + 1], 0.f, 0.f));
+    uint32_t word;
+    std::memcpy(&word, &pair, sizeof(word));
+    out[i / 2] = word;
+  }
+}
+
+// r[c] = column c of the 16 x 16 words r[0..16) (rows become columns).
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// kt from the tile's n key rows (D bf16 each), 16 tokens x 16 column pairs at a time; P
+// prefetches the next tile.
+template <typename P>
+inline void transpose_keys(const uint16_t* const* k, int n, int D, uint32_t* kt, const P& next) {
+  const int DP = D / 2;
+  next.rows(0, n);
+  for (int j0 = 0; j0 < kDotTileTokens; j0 += 16)
+    for (int dp0 = 0; dp0 < DP; dp0 += 16) {
+      const int cols = DP - dp0 < 16 ? DP - dp0 : 16;  // D is a multiple of 8: 4, 8, 12 or 16
+      const __mmask16 m = __mmask16((1u << cols) - 1);
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i)
+        r[i] = j0 + i < n ? _mm512_maskz_loadu_epi32(m, reinterpret_cast<const uint32_t*>(k[j0 + i]) + dp0)
+                          : _mm512_setzero_si512();
+      transpose16(r);
+      for (int c = 0; c < cols; ++c) _mm512_storeu_si512(kt + (dp0 + c) * kDotTileTokens + j0, r[c]);
+    }
+}
+
+// vp from the tile's n value rows; DV = D rounded up to 32 (vp's row length).
+inline void interleave_values(const uint16_t* const* v, int n, int D, uint32_t* vp, int DV) {
+  // Words 2i / 2i + 1 of a 32-column step: column i of the even / odd token.
+  alignas(64) static const uint16_t lo_index[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static const uint16_t hi_index[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                    24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(lo_index), hi = _mm512_load_si512(hi_index);
+  for (int jp = 0; jp < kDotTileTokens / 2; ++jp) {
+    const int j = 2 * jp;
+    uint32_t* out = vp + size_t(jp) * DV;
+    for (int c = 0; c < D; c += 32) {
+      const __mmask32 m = D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1;
+      const __m512i a = j < n ? _mm512_maskz_loadu_epi16(m, v[j] + c) : _mm512_setzero_si512();
+      const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(m, v[j + 1] + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(out + c + 16, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+}
+
+// s[r][0..32) = scale * (q[r] . k[j]) for R rows (row stride kDotTileTokens in s).
+template <int R>
+inline void qk_dot(const uint32_t* qb, int DP, const uint32_t* kt, float scale, float* s) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int dp = 0; dp < DP; ++dp) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + dp * kDotTileTokens);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + dp * kDotTileTokens + 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(int(qb[size_t(r) * DP + dp]));
+      a[r][0] = _mm512_dpbf16_ps(a[r][0], q, k0);
+      a[r][1] = _mm512_dpbf16_ps(a[r][1], q, k1);
+    }
+  }
+  const __m512 m = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(s + r * kDotTileTokens, _mm512_mul_ps(a[r][0], m));
+    _mm512_storeu_ps(s + r * kDotTileTokens + 16, _mm512_mul_ps(a[r][1], m));
+  }
+}
+
+// acc[r][c] += sum_j p[r][j] v[j][c] for R rows over the whole tile, 32 columns at a time;
+// the fp32 sums go through a buffer to the fp64 accumulator (kept out of the register loop).
+template <int R>
+inline void pv_dot(double* acc, int D, const uint32_t* pb, const uint32_t* vp, int DV) {
+  alignas(64) float sums[R][32];
+  for (int c = 0; c < D; c += 32) {
+    __m512 a[R][2];
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int jp = 0; jp < kDotTileTokens / 2; ++jp) {
+      const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + size_t(jp) * DV + c);
+      const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + size_t(jp) * DV + c + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh pr = (__m512bh)_mm512_set1_epi32(int(pb[r * (kDotTileTokens / 2) + jp]));
+        a[r][0] = _mm512_dpbf16_ps(a[r][0], pr, v0);
+        a[r][1] = _mm512_dpbf16_ps(a[r][1], pr, v1);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_store_ps(sums[r], a[r][0]);
+      _mm512_store_ps(sums[r] + 16, a[r][1]);
+    }
+    const int cols = D - c < 32 ? D - c : 32;
+    for (int r = 0; r < R; ++r) {
+      double* out = acc + size_t(r) * D + c;
+      for (int i = 0; i < cols; ++i) out[i] += double(sums[r][i]);
+    }
+  }
+}
+
+// Runs a kernel over all rows, eight at a time (16 accumulators of 32 vector registers).
+template <typename F>
+inline void for_dot_rows(int64_t rows, F&& f) {
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) f(std::integral_constant<int, 8>{}, r);
+  for (; r + 4 <= rows; r += 4) f(std::integral_constant<int, 4>{}, r);
+  for (; r < rows; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
+}  // namespace paged::cpu::PAGED_CPU_ISA_NS
+#endif
