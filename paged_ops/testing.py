@@ -240,7 +240,8 @@ class PagedCase:
 
     @property
     def max_seqlen_q(self) -> int:
-        return max(self.q_lens, default=0)
+        # not max(..., default=0): torch 2.11's dynamo cannot trace the keyword (a compiled test reads this)
+        return max([0, *self.q_lens])
 
     def to(self, device) -> "PagedCase":
         """The same batch on another device (a new case; this one is unchanged)."""
