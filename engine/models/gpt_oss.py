@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..attention import layer_sliding_window, variant_kwargs, window_left
-from .llama import Attention, fuse
+from .llama import Attention
+from .llama import DecoderLayer as LlamaDecoderLayer
 
 ARCHITECTURES = ("GptOssForCausalLM",)
 
@@ -30,29 +30,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(LlamaDecoderLayer):
+    """Llama's attention half with gpt-oss's norm, half-width RoPE and sinks; MoE MLP."""
+    rms_norm = staticmethod(rms_norm)
+    apply_rope = staticmethod(apply_rope)
+
     def __init__(self, hf_layer, config):
-        super().__init__()
-        attn = hf_layer.self_attn
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_size, self.scale = attn.head_dim, attn.scaling
-        self.qkv_proj, self.o_proj = fuse(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj
+        nn.Module.__init__(self)
+        self.init_attention(hf_layer, config, sinks=hf_layer.self_attn.sinks)
         self.mlp = hf_layer.mlp  # router + experts: [1, T, hidden] -> ([1, T, hidden], router scores)
-        self.input_norm = hf_layer.input_layernorm.weight
-        self.post_attention_norm = hf_layer.post_attention_layernorm.weight
-        self.eps = config.rms_norm_eps
-        self.variants = variant_kwargs(window=window_left(layer_sliding_window(attn, config)), sinks=attn.sinks)
 
     def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
         # x: [T, hidden]
-        T, D = x.shape[0], self.head_size
-        q, k, v = self.qkv_proj(rms_norm(x, self.input_norm, self.eps)).split(
-            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, D), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, D), cos, sin)
-        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale, **self.variants)  # [T, H, D]
-        x = x + self.o_proj(o.reshape(T, -1))
+        x = self.attend(layer_idx, x, cos, sin, attention)
         h, _ = self.mlp(rms_norm(x, self.post_attention_norm, self.eps)[None])
         return x + h[0]
 

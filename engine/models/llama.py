@@ -55,30 +55,45 @@ def fuse(*linears: nn.Linear) -> nn.Linear:
 
 
 class DecoderLayer(nn.Module):
+    # The norm and RoPE of the family; gpt_oss.py's layer swaps in its own and keeps the rest.
+    rms_norm = staticmethod(rms_norm)
+    apply_rope = staticmethod(apply_rope)
+
     def __init__(self, hf_layer, config):
         super().__init__()
-        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        mlp = hf_layer.mlp
+        self.init_attention(hf_layer, config)
+        self.gate_up_proj, self.down_proj = fuse(mlp.gate_proj, mlp.up_proj), mlp.down_proj
+        self.act = ACT2FN[config.hidden_act]
+
+    def init_attention(self, hf_layer, config, **variants) -> None:
+        """The pre-norm self-attention half: fused q/k/v, o_proj, the two norms' weights and the
+        layer's variants (its window, plus what the caller adds, e.g. gpt-oss's sinks)."""
+        attn = hf_layer.self_attn
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_size, self.scale = attn.head_dim, attn.scaling
         self.qkv_proj, self.o_proj = fuse(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj
-        self.gate_up_proj, self.down_proj = fuse(mlp.gate_proj, mlp.up_proj), mlp.down_proj
-        self.act = ACT2FN[config.hidden_act]
         self.input_norm = hf_layer.input_layernorm.weight
         self.post_attention_norm = hf_layer.post_attention_layernorm.weight
         self.eps = config.rms_norm_eps
-        # Mistral: a window on every layer; Qwen2: on the layers its layer_types make sliding
-        self.variants = variant_kwargs(window=window_left(layer_sliding_window(attn, config)))
+        # Mistral: a window on every layer; Qwen2 / gpt-oss: on the layers layer_types make sliding
+        self.variants = variant_kwargs(window=window_left(layer_sliding_window(attn, config)), **variants)
+
+    def attend(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attention: Attention) -> torch.Tensor:
+        """x + self-attention of norm(x); x: [T, hidden]."""
+        T, D = x.shape[0], self.head_size
+        q, k, v = self.qkv_proj(self.rms_norm(x, self.input_norm, self.eps)).split(
+            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = self.apply_rope(q.view(T, self.num_heads, D), cos, sin)
+        k = self.apply_rope(k.view(T, self.num_kv_heads, D), cos, sin)
+        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale, **self.variants)  # [T, H, D]
+        return x + self.o_proj(o.reshape(T, -1))
 
     def forward(self, layer_idx: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: Attention) -> torch.Tensor:
         # x: [T, hidden]
-        T, D = x.shape[0], self.head_size
-        q, k, v = self.qkv_proj(rms_norm(x, self.input_norm, self.eps)).split(
-            [self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
-        q = apply_rope(q.view(T, self.num_heads, D), cos, sin)
-        k = apply_rope(k.view(T, self.num_kv_heads, D), cos, sin)
-        o = attention(layer_idx, q, k, v.view(T, self.num_kv_heads, D), self.scale, **self.variants)  # [T, H, D]
-        x = x + self.o_proj(o.reshape(T, -1))
+        x = self.attend(layer_idx, x, cos, sin, attention)
         gate, up = self.gate_up_proj(rms_norm(x, self.post_attention_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down_proj(self.act(gate) * up)
 
