@@ -471,9 +471,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           transpose_keys(reinterpret_cast<const uint16_t* const*>(k_rows), n, D, w.kt.data(), next);
           const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
           const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
-          for_dot_rows(rows, [&](auto R, int64_t r) {
-            qk_dot<R>(qb + size_t(r) * D / 2, D / 2, w.kt.data(), q_mul, &w.s[size_t(r) * kTileTokens]);
-          });
+          dot_qk_rows(rows, qb, D / 2, w.kt.data(), q_mul, w.s.data());
         } else
 #endif
         if (const Finite* const* k_fast = as_finite(k_rows, n))
@@ -530,9 +528,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         if (dot) {
           interleave_values(reinterpret_cast<const uint16_t* const*>(v_rows), n, D, w.vp.data(), dot_dv);
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
-          for_dot_rows(rows, [&](auto R, int64_t r) {
-            pv_dot<R>(acc + size_t(r) * D, D, &w.pb[size_t(r) * kTileTokens / 2], w.vp.data(), dot_dv);
-          });
+          dot_pv_rows(rows, acc, D, w.pb.data(), w.vp.data(), dot_dv);
         } else
 #endif
         if (const Finite* const* v_fast = as_finite(v_rows, n))

@@ -161,5 +161,19 @@ inline void for_dot_rows(int64_t rows, F&& f) {
   for (; r < rows; ++r) f(std::integral_constant<int, 1>{}, r);
 }
 
+// The tile's QK and PV for all of a task's rows (per KV head): the entry points run_task calls.
+// s: [rows][kDotTileTokens] fp32 scores; qb: [rows][DP]; pb: [rows][kDotTileTokens / 2];
+// acc: [rows][D] fp64.
+inline void dot_qk_rows(int64_t rows, const uint32_t* qb, int DP, const uint32_t* kt, float scale, float* s) {
+  for_dot_rows(rows, [&](auto R, int64_t r) {
+    qk_dot<R>(qb + size_t(r) * DP, DP, kt, scale, s + size_t(r) * kDotTileTokens);
+  });
+}
+inline void dot_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, const uint32_t* vp, int DV) {
+  for_dot_rows(rows, [&](auto R, int64_t r) {
+    pv_dot<R>(acc + size_t(r) * D, D, pb + size_t(r) * (kDotTileTokens / 2), vp, DV);
+  });
+}
+
 }  // namespace paged::cpu::PAGED_CPU_ISA_NS
 #endif
