@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "bf16_dot.h"
+#include "decode_dot.h"
 #include "vec8.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {
@@ -375,7 +376,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   // rows enough to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
   // Never in batch-invariant mode: there decode and prefill rows must share one code path.
   const bool dot = std::is_same_v<CT, c10::BFloat16> && !p.batch_invariant && rows >= kMinDotRows;
-  if (dot) {
+  // Fewer rows (decode: the GQA group): bf16 dot products on the keys and values as they lie
+  // (decode_dot.h), no re-layout to pay for.
+  const bool small_dot = std::is_same_v<CT, c10::BFloat16> && !p.batch_invariant && rows < kMinDotRows;
+  if (dot || small_dot) {
     // The query rows as they are (bf16, CT's dtype): QK's products are then exact in fp32 and
     // the scale multiplies the fp32 scores (qk_dot), so scores and lse keep fp32 accuracy.
     w.resize_dot(rows, heads, D);
@@ -472,6 +476,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
           const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
           dot_qk_rows(rows, qb, D / 2, w.kt.data(), q_mul, w.s.data());
+        } else if (small_dot) {
+          const uint16_t* qb = reinterpret_cast<const uint16_t*>(&w.qb[size_t(hl) * rows * D / 2]);
+          const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
+          small_qk_rows(rows, qb, D, reinterpret_cast<const uint16_t* const*>(k_rows), n, q_mul, w.s.data(), next);
         } else
 #endif
         if (const Finite* const* k_fast = as_finite(k_rows, n))
@@ -529,6 +537,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           interleave_values(reinterpret_cast<const uint16_t* const*>(v_rows), n, D, w.vp.data(), dot_dv);
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
           dot_pv_rows(rows, acc, D, w.pb.data(), w.vp.data(), dot_dv);
+        } else if (small_dot) {
+          pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
+          small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const uint16_t* const*>(v_rows), n);
         } else
 #endif
         if (const Finite* const* v_fast = as_finite(v_rows, n))
