@@ -39,6 +39,7 @@
 
 #include "bf16_dot.h"
 #include "decode_dot.h"
+#include "vec16.h"
 #include "vec8.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {
@@ -103,6 +104,7 @@ struct Scratch {
   std::vector<double> fold_m, fold_w, fold_acc;  // the rows' folded chunks (fold_part)
   std::vector<int64_t> first_visible, last_visible, position;
   std::vector<uint32_t> qb, kt, vp, pb;  // the bf16 dot-product path's layouts (bf16_dot.h)
+  std::vector<float> acc32;              // and its fp32 PV sums between flushes
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
   void resize(int64_t rows, int64_t heads, int head_size) {
@@ -125,6 +127,7 @@ struct Scratch {
     kt.resize(size_t(head_size / 2) * kTileTokens);
     vp.resize(size_t(kTileTokens / 2) * dv);
     pb.resize(size_t(rows) * kTileTokens / 2);
+    acc32.resize(size_t(rows) * heads * dv);
   }
 };
 
@@ -391,6 +394,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       }
   }
   const int dot_dv = (D + 31) / 32 * 32;
+  // Every chunk's last tile flushes acc32 to zero; zeroed here too, so no earlier task's
+  // leftovers (a NaN row) can reach this one.
+  if (dot) std::fill(w.acc32.begin(), w.acc32.begin() + size_t(rows) * heads * dot_dv, 0.f);
 #endif
   if (split && begin >= end)  // none of the rows sees this split: an empty part each
     for (int64_t row = 0; row < rows * heads; ++row) part_lse[t.partial_offset + row] = -std::numeric_limits<double>::infinity();
@@ -495,8 +501,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
             std::fill(s, s + kTileTokens, 0.f);
             continue;
           }
+          // SoftmaxVec (vec16.h): 16 lanes on AVX-512 builds, two vectors a tile; else Vec8.
+          using SV = SoftmaxVec;
           if (p.softcap > 0.f)  // the whole tile, before the mask (a capped -inf is -softcap)
-            for (int c = 0; c < kTileTokens; c += 8) Vec8::softcap(Vec8::load(s + c), p.softcap).store(s + c);
+            for (int c = 0; c < kTileTokens; c += SV::kLanes) SV::softcap(SV::load(s + c), p.softcap).store(s + c);
           std::fill(s, s + first, kNegInf);
           std::fill(s + last, s + kTileTokens, kNegInf);
           if (p.alibi_slopes != nullptr) {  // + slope * (j - p), the key's distance to the query
@@ -504,10 +512,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
             const int64_t distance = j0 - w.position[r];
             for (int j = first; j < last; ++j) s[j] += slope * float(distance + j);
           }
-          Vec8 vmax = Vec8::load(s), vsum = vmax;
-          for (int c = 8; c < kTileTokens; c += 8) {
-            vmax = Vec8::max(vmax, Vec8::load(s + c));
-            vsum = vsum + Vec8::load(s + c);
+          SV vmax = SV::load(s), vsum = vmax;
+          for (int c = SV::kLanes; c < kTileTokens; c += SV::kLanes) {
+            vmax = SV::max(vmax, SV::load(s + c));
+            vsum = vsum + SV::load(s + c);
           }
           float tile_max = vmax.reduce_max();
           // A NaN score (a NaN in K, or +inf next to a hidden -inf) makes the row NaN, as in the
@@ -520,15 +528,20 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           }
           const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
           const float correction = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
-          const Vec8 shift = Vec8::broadcast(m_new);
-          Vec8 sum = Vec8::zero();
-          for (int c = 0; c < kTileTokens; c += 8) {
-            const Vec8 e = Vec8::exp(Vec8::load(s + c) - shift);
+          const SV shift = SV::broadcast(m_new);
+          SV sum = SV::zero();
+          for (int c = 0; c < kTileTokens; c += SV::kLanes) {
+            const SV e = SV::exp(SV::load(s + c) - shift);
             e.store(s + c);
             sum = sum + e;
           }
-          if (correction != 1.f)
+          if (correction != 1.f) {
             for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
+#if defined(__AVX512BF16__)
+            if (dot)  // the tiles not yet flushed are part of the row's sum too
+              for (int d = 0; d < D; ++d) w.acc32[(size_t(hl) * rows + r) * dot_dv + d] *= correction;
+#endif
+          }
           l[r] = l[r] * correction + sum.sum();
           m[r] = m_new;
         }
@@ -536,7 +549,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         if (dot) {
           interleave_values(reinterpret_cast<const uint16_t* const*>(v_rows), n, D, w.vp.data(), dot_dv);
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
-          dot_pv_rows(rows, acc, D, w.pb.data(), w.vp.data(), dot_dv);
+          float* acc32 = &w.acc32[size_t(hl) * rows * dot_dv];
+          dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), dot_dv);
+          if (j0 + kTileTokens >= c1 || ((j0 - c0) / kTileTokens + 1) % kDotFlushTiles == 0)
+            flush_acc(rows, acc32, dot_dv, acc, D);
         } else if (small_dot) {
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
           small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const uint16_t* const*>(v_rows), n);

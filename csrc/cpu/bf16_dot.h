@@ -3,15 +3,20 @@
 // when: not in batch-invariant mode, and only for tasks with enough rows to pay for the
 // tile's re-layout). QK takes the bf16 query and keys as they are (exact products, fp32 sums,
 // the scale applied to the fp32 scores), so scores and lse keep fp32 accuracy; PV rounds the
-// probabilities to bf16 (within the contract's bf16 tolerance) and adds each tile's fp32 sums
-// to the same fp64 accumulator as the 8-lane path. vdpbf16ps treats bf16 denormals as zero.
+// probabilities to bf16 (within the contract's bf16 tolerance) and sums into an fp32
+// accumulator acc32 that run_task adds to the fp64 one every kDotFlushTiles tiles and at the
+// chunk's end (flush_acc): the fp32 sum never covers more than kDotFlushTiles * 32 keys, so
+// the error does not grow with the context, and the per-tile fp64 widening is gone from the
+// register loop. vdpbf16ps treats bf16 denormals as zero.
 //
 // Layouts, all in 32-bit words holding a pair of bf16:
 //   qb[row][dp]   the query row's columns (2dp, 2dp + 1)
 //   kt[dp][j]     the tile's keys transposed by column pair: token j's columns (2dp, 2dp + 1),
 //                 so one vector holds 16 tokens and QK needs no horizontal sums
 //   pb[row][jp]   the row's probabilities of tokens (2jp, 2jp + 1)
-//   vp[jp][c]     the tile's values interleaved by token pair: (v[2jp][c], v[2jp + 1][c])
+//   vp[jp][c]     the tile's values interleaved by token pair: (v[2jp][c], v[2jp + 1][c]);
+//                 rows of DV words, DV = D rounded up to 32, columns from D on zero
+//   acc32[row][c] fp32 (not pairs): the row's running PV sums, rows of DV floats
 // Tokens past the tile's end are zero in kt / vp (their scores are masked afterwards).
 #pragma once
 #if defined(__AVX512BF16__)
@@ -24,6 +29,9 @@
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 
 inline constexpr int kDotTileTokens = 32;  // == kTileTokens (two 16-lane vectors of scores)
+// Tiles summed in fp32 (acc32) before they join the fp64 accumulator: 256 keys, whose fp32 sum
+// errs by at most ~256 ulp of the row's largest term, far below the bf16 probabilities' rounding.
+inline constexpr int kDotFlushTiles = 8;
 
 // Rounds n floats (n even) to bf16 pairs, to nearest even (NaN stays NaN).
 inline void pack_bf16(const float* x, int n, uint32_t* out) {
@@ -123,14 +131,16 @@ inline void qk_dot(const uint32_t* qb, int DP, const uint32_t* kt, float scale, 
   }
 }
 
-// acc[r][c] += sum_j p[r][j] v[j][c] for R rows over the whole tile, 32 columns at a time;
-// the fp32 sums go through a buffer to the fp64 accumulator (kept out of the register loop).
+// acc[r][c] += sum_j p[r][j] v[j][c] for R rows over the whole tile, 32 columns at a time, in
+// fp32: acc rows of DV floats, loaded as the accumulators' start and stored back.
 template <int R>
-inline void pv_dot(double* acc, int D, const uint32_t* pb, const uint32_t* vp, int DV) {
-  alignas(64) float sums[R][32];
-  for (int c = 0; c < D; c += 32) {
+inline void pv_dot(float* acc, int DV, const uint32_t* pb, const uint32_t* vp) {
+  for (int c = 0; c < DV; c += 32) {
     __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      a[r][0] = _mm512_loadu_ps(acc + size_t(r) * DV + c);
+      a[r][1] = _mm512_loadu_ps(acc + size_t(r) * DV + c + 16);
+    }
     for (int jp = 0; jp < kDotTileTokens / 2; ++jp) {
       const __m512bh v0 = (__m512bh)_mm512_loadu_si512(vp + size_t(jp) * DV + c);
       const __m512bh v1 = (__m512bh)_mm512_loadu_si512(vp + size_t(jp) * DV + c + 16);
@@ -141,14 +151,21 @@ inline void pv_dot(double* acc, int D, const uint32_t* pb, const uint32_t* vp, i
       }
     }
     for (int r = 0; r < R; ++r) {
-      _mm512_store_ps(sums[r], a[r][0]);
-      _mm512_store_ps(sums[r] + 16, a[r][1]);
+      _mm512_storeu_ps(acc + size_t(r) * DV + c, a[r][0]);
+      _mm512_storeu_ps(acc + size_t(r) * DV + c + 16, a[r][1]);
     }
-    const int cols = D - c < 32 ? D - c : 32;
-    for (int r = 0; r < R; ++r) {
-      double* out = acc + size_t(r) * D + c;
-      for (int i = 0; i < cols; ++i) out[i] += double(sums[r][i]);
-    }
+  }
+}
+
+// acc[r][0..D) += acc32[r][0..D) widened exactly to fp64, then acc32 zeroed (all DV columns:
+// the padding columns may hold 0 * NaN). D is a multiple of 8.
+inline void flush_acc(int64_t rows, float* acc32, int DV, double* acc, int D) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* a = acc32 + size_t(r) * DV;
+    double* o = acc + size_t(r) * D;
+    for (int c = 0; c < D; c += 8)
+      _mm512_storeu_pd(o + c, _mm512_add_pd(_mm512_loadu_pd(o + c), _mm512_cvtps_pd(_mm256_loadu_ps(a + c))));
+    for (int c = 0; c < DV; c += 16) _mm512_storeu_ps(a + c, _mm512_setzero_ps());
   }
 }
 
@@ -163,15 +180,15 @@ inline void for_dot_rows(int64_t rows, F&& f) {
 
 // The tile's QK and PV for all of a task's rows (per KV head): the entry points run_task calls.
 // s: [rows][kDotTileTokens] fp32 scores; qb: [rows][DP]; pb: [rows][kDotTileTokens / 2];
-// acc: [rows][D] fp64.
+// acc32: [rows][DV] fp32 (flush_acc moves it to the fp64 accumulator).
 inline void dot_qk_rows(int64_t rows, const uint32_t* qb, int DP, const uint32_t* kt, float scale, float* s) {
   for_dot_rows(rows, [&](auto R, int64_t r) {
     qk_dot<R>(qb + size_t(r) * DP, DP, kt, scale, s + size_t(r) * kDotTileTokens);
   });
 }
-inline void dot_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, const uint32_t* vp, int DV) {
+inline void dot_pv_rows(int64_t rows, float* acc32, const uint32_t* pb, const uint32_t* vp, int DV) {
   for_dot_rows(rows, [&](auto R, int64_t r) {
-    pv_dot<R>(acc + size_t(r) * D, D, pb + size_t(r) * (kDotTileTokens / 2), vp, DV);
+    pv_dot<R>(acc32 + size_t(r) * DV, DV, pb + size_t(r) * (kDotTileTokens / 2), vp);
   });
 }
 

@@ -41,6 +41,7 @@ inline bool any_e4m3_nan(const E4m3Half* const* rows, int n, int D) {
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 struct Vec8 {
+  static constexpr int kLanes = 8;
   __m256 v;
   static Vec8 zero() { return {_mm256_setzero_ps()}; }
   static Vec8 broadcast(float x) { return {_mm256_set1_ps(x)}; }
@@ -154,6 +155,7 @@ struct Vec8 {
 };
 #else
 struct Vec8 {
+  static constexpr int kLanes = 8;
   float v[8];
   static Vec8 zero() { return broadcast(0.f); }
   static Vec8 broadcast(float x) {
