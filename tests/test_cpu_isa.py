@@ -1,7 +1,9 @@
 """The cpu backend's runtime ISA dispatch (csrc/cpu/dispatch.cpp, csrc/cpu/isa.h).
 
-The kernels are compiled once per ISA (portable, avx2, avx512, avx512_bf16 on x86; portable
-elsewhere) and one is chosen at the first call: the best this CPU runs, or PAGED_OPS_CPU_ISA.
+The kernels are compiled once per ISA (portable, avx2, avx512, avx512_bf16, amx and amx_emulated
+on x86; portable elsewhere) and one is chosen at the first call: the best this CPU runs, or
+PAGED_OPS_CPU_ISA. amx_emulated (the AMX kernels on a model of the tiles, tests/test_cpu_amx.py) runs
+wherever avx512_bf16 does and is never the default; amx runs only with AMX and Linux's permission.
 tests/test_ops.py and tests/test_cpu_backend.py run the default (best) one over their full grids;
 here every other ISA this machine runs gets a representative subset of the same cases, switched
 with torch.ops.paged_cpu.set_isa:
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -32,7 +35,7 @@ from tests import test_cpu_backend as cpu_cases
 from tests import test_ops as op_cases
 
 ops = torch.ops.paged_cpu
-ALL_ISAS = ("portable", "avx2", "avx512", "avx512_bf16", "amx")
+ALL_ISAS = ("amx_emulated", "portable", "avx2", "avx512", "avx512_bf16", "amx")
 SUPPORTED = list(ops.supported_isas())
 ACTIVE = ops.isa()  # the best one, or PAGED_OPS_CPU_ISA's
 OTHERS = [i for i in SUPPORTED if i != ACTIVE]  # ACTIVE runs the full grids in test_ops / test_cpu_backend
@@ -58,6 +61,9 @@ def expected_isas() -> list[str]:
             isas.append("avx512")
             if "avx512_bf16" in flags:
                 isas.append("avx512_bf16")
+                isas.insert(0, "amx_emulated")  # the least preferred: never the default
+                if {"amx_tile", "amx_bf16"} <= flags:  # Linux lists them only with the tile state enabled
+                    isas.append("amx")
     return isas
 
 
@@ -135,10 +141,17 @@ def test_unsupported_isa_is_a_clear_error(isa):
     assert r.returncode != 0 and f"PAGED_OPS_CPU_ISA='{isa}'" in r.stderr, r.stderr
 
 
-def test_amx_is_named_as_not_built():
-    # No AMX kernels exist yet (this machine has no AMX to run them): the error says so.
-    with pytest.raises(ValueError, match="has no amx kernels"):
+@pytest.mark.skipif("amx" in SUPPORTED, reason="this machine runs AMX")
+def test_amx_is_built_and_refused_with_the_reason():
+    # The amx build exists (every compiler the project supports takes -mamx-tile -mamx-bf16; CMake
+    # says when one does not) and, without AMX, asking for it names what is missing.
+    flags = cpu_flags()
+    reason = (re.escape("this CPU has no AVX-512 BF16") if "avx512_bf16" not in flags else
+              re.escape("this CPU has no AMX-TILE + AMX-BF16 (CPUID)") if not {"amx_tile", "amx_bf16"} <= flags else
+              "(the OS has not enabled the AMX tile state|Linux refused the AMX tile permission)")
+    with pytest.raises(ValueError, match="isa='amx': " + reason) as e:
         ops.set_isa("amx")
+    assert "has no amx kernels" not in str(e.value)
 
 
 def test_set_isa_returns_the_previous_one():

@@ -182,11 +182,20 @@ inline void for_dot_rows(int64_t rows, F&& f) {
 // s: [rows][kDotTileTokens] fp32 scores; qb: [rows][DP]; pb: [rows][kDotTileTokens / 2];
 // acc32: [rows][DV] fp32 (flush_acc moves it to the fp64 accumulator).
 inline void dot_qk_rows(int64_t rows, const uint32_t* qb, int DP, const uint32_t* kt, float scale, float* s) {
+#if defined(PAGED_CPU_AMX)  // the AMX builds: blocks of 16 rows on tiles (amx_dot.h), the rest below
+  static_assert(kAmxTileTokens == kDotTileTokens);
+  const int64_t tiled = amx_qk_rows(rows, qb, DP, kt, scale, s);
+  rows -= tiled, qb += size_t(tiled) * DP, s += size_t(tiled) * kDotTileTokens;
+#endif
   for_dot_rows(rows, [&](auto R, int64_t r) {
     qk_dot<R>(qb + size_t(r) * DP, DP, kt, scale, s + size_t(r) * kDotTileTokens);
   });
 }
 inline void dot_pv_rows(int64_t rows, float* acc32, const uint32_t* pb, const uint32_t* vp, int DV) {
+#if defined(PAGED_CPU_AMX)
+  const int64_t tiled = amx_pv_rows(rows, acc32, pb, vp, DV);
+  rows -= tiled, acc32 += size_t(tiled) * DV, pb += size_t(tiled) * (kDotTileTokens / 2);
+#endif
   for_dot_rows(rows, [&](auto R, int64_t r) {
     pv_dot<R>(acc32 + size_t(r) * DV, DV, pb + size_t(r) * (kDotTileTokens / 2), vp);
   });

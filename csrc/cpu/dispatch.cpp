@@ -7,9 +7,16 @@
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu/isa.h"
 
@@ -20,6 +27,7 @@ struct Isa {
   const char* name;
   IsaKernels (*kernels)();  // nullptr: not built into this package (another architecture)
   bool (*runs_here)();
+  std::string (*why_not)() = nullptr;  // why it does not run here, where there is more to say than the CPU
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -33,13 +41,48 @@ bool has_avx512() {
 }
 bool has_avx512_bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 #endif
+
+// Why the AMX build cannot run here ("" when it can). Tiles need the CPU (CPUID.(7,0):EDX bits 24
+// AMX-TILE and 22 AMX-BF16), the OS saving their state (XCR0 bits 17 XTILECFG and 18 XTILEDATA),
+// and, on Linux, the process's permission: without arch_prctl(ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA) the first tile instruction is a SIGILL. Asked once; the permission, once
+// granted, holds for every thread of the process.
+std::string amx_missing() {
+#if defined(__x86_64__) && defined(PAGED_CPU_HAVE_AMX)
+  static const std::string why = []() -> std::string {
+    if (!has_avx512_bf16()) return "this CPU has no AVX-512 BF16 (the amx build's other kernels use it)";
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 24)) || !(d & (1u << 22)))
+      return "this CPU has no AMX-TILE + AMX-BF16 (CPUID)";
+    uint32_t xcr0_lo = 0, xcr0_hi = 0;  // XGETBV runs: the AVX-512 check above includes OSXSAVE
+    asm volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & (3u << 17)) != (3u << 17)) return "the OS has not enabled the AMX tile state (XCR0 bits 17, 18)";
+    constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // <asm/prctl.h>, Linux >= 5.16
+    if (syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) != 0)
+      return std::string("Linux refused the AMX tile permission (arch_prctl(ARCH_REQ_XCOMP_PERM, "
+                         "XFEATURE_XTILEDATA): ") + std::strerror(errno) + ")";
+    return "";
+  }();
+  return why;
+#else
+  return "not an x86-64 build with AMX";
+#endif
+}
+bool has_amx() { return amx_missing().empty(); }
 bool always() { return true; }
 bool never() { return false; }
 
-// In the order of preference, worst first. "amx" is a name the override accepts but no build
-// has AMX kernels yet: asking for it says so.
-const std::array<Isa, 5>& isas() {
-  static const std::array<Isa, 5> table = {{
+// In the order of preference, worst first: the best usable one is the default. amx_emulated (the
+// AMX kernels on a scalar model of the tiles, for tests) is the least preferred: portable, which
+// always runs, is always chosen over it.
+constexpr size_t kNumIsas = 6;
+const std::array<Isa, kNumIsas>& isas() {
+  static const std::array<Isa, kNumIsas> table = {{
+#if defined(PAGED_CPU_HAVE_AMX_EMULATED)
+      {"amx_emulated", &isa_amx_emulated::kernels, &has_avx512_bf16},
+#else
+      {"amx_emulated", nullptr, &never},
+#endif
       {"portable", &isa_portable::kernels, &always},
 #if defined(PAGED_CPU_HAVE_AVX2)
       {"avx2", &isa_avx2::kernels, &has_avx2},
@@ -56,7 +99,11 @@ const std::array<Isa, 5>& isas() {
 #else
       {"avx512_bf16", nullptr, &never},
 #endif
+#if defined(PAGED_CPU_HAVE_AMX)
+      {"amx", &isa_amx::kernels, &has_amx, &amx_missing},
+#else
       {"amx", nullptr, &never},
+#endif
   }};
   return table;
 }
@@ -78,8 +125,8 @@ struct Active {
 // One Active per ISA, made once. Only the usable builds' kernels() is called: it is compiled with
 // its ISA's flags and may itself use that ISA's instructions.
 const Active& build(const Isa& isa) {
-  static const std::array<Active, 5> made = [] {
-    std::array<Active, 5> a{};
+  static const std::array<Active, kNumIsas> made = [] {
+    std::array<Active, kNumIsas> a{};
     for (size_t i = 0; i < a.size(); ++i) {
       a[i].name = isas()[i].name;
       if (usable(isas()[i])) a[i].kernels = isas()[i].kernels();
@@ -94,7 +141,8 @@ const Active& find(const std::string& name, const char* what) {
     if (name != isa.name) continue;
     TORCH_CHECK_VALUE(isa.kernels != nullptr, what, "='", name, "': this build of paged_ops has no ", name,
                       " kernels; supported on this machine: ", join_names(true));
-    TORCH_CHECK_VALUE(isa.runs_here(), what, "='", name, "': this CPU does not support ", name,
+    TORCH_CHECK_VALUE(isa.runs_here(), what, "='", name, "': ",
+                      isa.why_not ? isa.why_not() : "this CPU does not support " + name,
                       "; supported on this machine: ", join_names(true));
     return build(isa);
   }
@@ -177,4 +225,12 @@ TORCH_LIBRARY_FRAGMENT(paged_cpu, m) {
   m.def("isa() -> str", &paged::cpu::isa);
   m.def("supported_isas() -> str[]", &paged::cpu::supported_isas);
   m.def("set_isa(str name) -> str", &paged::cpu::set_isa);
+#if defined(PAGED_CPU_HAVE_AMX_EMULATED)
+  // The AMX model's test hooks (csrc/cpu/kernels/amx_emulated_probe.cpp, tests/test_cpu_amx.py).
+  m.def("amx_emulated_fault(str case) -> str", &paged::cpu::isa_amx_emulated::amx_emulated_fault_case);
+  m.def("amx_emulated_tdpbf16ps(Tensor c, Tensor a, Tensor b) -> Tensor",
+        &paged::cpu::isa_amx_emulated::amx_emulated_tdpbf16ps);
+  m.def("amx_emulated_disturb(str how) -> ()", &paged::cpu::isa_amx_emulated::amx_emulated_disturb);
+  m.def("amx_emulated_dot_count() -> int", &paged::cpu::isa_amx_emulated::amx_emulated_dot_count);
+#endif
 }

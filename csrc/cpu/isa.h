@@ -10,7 +10,17 @@
 //                    compiler auto-vectorizes gets wider (no 16-lane kernels yet)
 //   isa_avx512_bf16  + -mavx512bf16: as isa_avx512, but bf16 caches' QK and PV by vdpbf16ps
 //                    (bf16_dot.h) in tasks of 16+ rows per KV head, outside batch-invariant mode
+//   isa_amx          + -mamx-tile -mamx-bf16 (where the compiler takes them): as isa_avx512_bf16,
+//                    with that path's blocks of 16 rows on AMX tiles (amx_dot.h); chosen only
+//                    where CPUID, XCR0 and Linux's arch_prctl permission all allow tiles
+//   isa_amx_emulated the avx512_bf16 flags and the same amx_dot.h on a scalar model of the tile
+//                    instructions (amx_emulated.h): tests the AMX kernels on CPUs without AMX;
+//                    never chosen by default
+// The two AMX builds compile only attention (kernels/attention.cpp, table.cpp and the model's
+// test hooks); their other kernels are isa_avx512_bf16's (table.cpp).
 #pragma once
+#include <string>
+
 #include "cpu/ops.h"
 
 namespace paged::cpu {
@@ -37,6 +47,16 @@ PAGED_CPU_DECLARE_ISA(isa_portable)
 PAGED_CPU_DECLARE_ISA(isa_avx2)
 PAGED_CPU_DECLARE_ISA(isa_avx512)
 PAGED_CPU_DECLARE_ISA(isa_avx512_bf16)
+PAGED_CPU_DECLARE_ISA(isa_amx)
+PAGED_CPU_DECLARE_ISA(isa_amx_emulated)
 #undef PAGED_CPU_DECLARE_ISA
+
+// The AMX model's test hooks (kernels/amx_emulated_probe.cpp; registered by dispatch.cpp).
+namespace isa_amx_emulated {
+std::string amx_emulated_fault_case(const std::string& name);
+Tensor amx_emulated_tdpbf16ps(const Tensor& c, const Tensor& a, const Tensor& b);
+void amx_emulated_disturb(const std::string& how);
+int64_t amx_emulated_dot_count();  // TDPBF16PS run so far, all threads
+}  // namespace isa_amx_emulated
 
 }  // namespace paged::cpu

@@ -1,5 +1,7 @@
 // decode_attention and prefill_attention for the cpu backend: both build AttentionParams and
 // run the one core in attention.h (decode is prefill with one query token per sequence).
+// The AMX builds' tile kernels come first: bf16_dot.h's entry points call them.
+#include "cpu/amx_dot.h"
 #include "cpu/attention.h"
 
 #include <ATen/core/Tensor.h>
@@ -58,12 +60,21 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
   p.alibi_slopes = variants.alibi_slopes_ptr();
   p.lse = variants.lse_ptr();
   p.batch_invariant = variants.batch_invariant;
+#if defined(PAGED_CPU_AMX)
+  amx_begin_call();  // every thread reloads its tile configuration in this call (amx_dot.h)
+#endif
   switch (query.scalar_type()) {
-    case at::kFloat: return dispatch_cache<float>(p, key_cache.scalar_type());
-    case at::kHalf: return dispatch_cache<c10::Half>(p, key_cache.scalar_type());
-    case at::kBFloat16: return dispatch_cache<c10::BFloat16>(p, key_cache.scalar_type());
+    case at::kFloat: dispatch_cache<float>(p, key_cache.scalar_type()); break;
+    case at::kHalf: dispatch_cache<c10::Half>(p, key_cache.scalar_type()); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(p, key_cache.scalar_type()); break;
     default: TORCH_CHECK(false, "paged cpu attention: unsupported query dtype ", query.scalar_type());
   }
+#if defined(PAGED_CPU_AMX_EMULATED)
+  // A tile instruction the hardware would fault on (recorded by the model; an exception cannot
+  // leave the kernel's OpenMP region): the call fails, its output is not to be trusted.
+  const std::string fault = amx_emulated::take_fault();
+  TORCH_CHECK(fault.empty(), fault);
+#endif
 }
 
 }  // namespace
