@@ -24,17 +24,23 @@ namespace paged::cpu::PAGED_CPU_ISA_NS {
 inline constexpr int kSmallTileTokens = 32;  // == kTileTokens: s rows are 32 floats apart
 
 // Lane i of the result = the sum of v[i]'s 16 lanes.
-inline __m512 hsum16(const __m512 v[16]) {
+// Inlined, and the loops over rows / tokens / accumulators unrolled: else GCC keeps the
+// accumulator arrays in memory too (a store per dot product).
+#define PAGED_DECODE_INLINE inline __attribute__((always_inline))
+PAGED_DECODE_INLINE __m512 hsum16(const __m512 v[16]) {
   __m512 a[8], b[4], c[2];
   // per 128-bit lane: (v2k.x, v2k+1.x, v2k.y, v2k+1.y), x/y partial sums of that lane
+#pragma GCC unroll 16
   for (int k = 0; k < 8; ++k)
     a[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
   // per 128-bit lane: the lane's sums of v4k .. v4k+3
+#pragma GCC unroll 16
   for (int k = 0; k < 4; ++k) {
     const __m512d x = _mm512_castps_pd(a[2 * k]), y = _mm512_castps_pd(a[2 * k + 1]);
     b[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
   // 128-bit lanes (b0.L0+L1, b0.L2+L3, b1.L0+L1, b1.L2+L3)
+#pragma GCC unroll 16
   for (int k = 0; k < 2; ++k)
     c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0x88),
                          _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xdd));
@@ -42,41 +48,47 @@ inline __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
 }
 
-inline __mmask32 column_mask(int D, int c) { return D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1; }
+PAGED_DECODE_INLINE __mmask32 column_mask(int D, int c) { return D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1; }
 
 // s[r][j] = scale * (q[r] . k[j]) for R rows (q: [R][D] bf16, row stride D) and the tile's n
 // tokens, 16 / R tokens per step (16 (row, token) vectors per reduction); P prefetches the next
 // tile as the tokens go. Scores of tokens past n (up to the step's end) are of token n - 1:
 // finite, and masked by the softmax.
 template <int R, typename P>
-inline void qk_small(const uint16_t* q, int D, const uint16_t* const* k, int n, float scale, float* s, const P& next) {
+PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const uint16_t* const* k, int n, float scale, float* s, const P& next) {
   static_assert(R == 1 || R == 2 || R == 4 || R == 8, "16 / R tokens per step");
   constexpr int T = 16 / R;
   const __m512 mul = _mm512_set1_ps(scale);
   for (int j0 = 0; j0 < n; j0 += T) {
     next.rows(j0, T);
     const uint16_t* kj[T];
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) kj[t] = k[j0 + t < n ? j0 + t : n - 1];
     __m512 a[16];  // a[r * T + t]: row r, token j0 + t
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
     for (int c = 0; c < D; c += 32) {
       const __mmask32 m = column_mask(D, c);
       __m512bh qv[R];
+#pragma GCC unroll 16
       for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, q + size_t(r) * D + c);
+#pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
         const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, kj[t] + c);
+  #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) a[r * T + t] = _mm512_dpbf16_ps(a[r * T + t], qv[r], kv);
       }
     }
     const __m512 sums = _mm512_mul_ps(hsum16(a), mul);
     // row r's T scores are lanes [r T, r T + T): one masked store each, at s[r][j0]
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(s + r * kSmallTileTokens + j0 - r * T, __mmask16(((1u << T) - 1) << (r * T)), sums);
   }
 }
 
 // Adds the fp32 sums of 32 columns (x0: columns 0..15, x1: 16..31, in order) to acc[0..cols).
-inline void add_columns(double* acc, __m512 x0, __m512 x1, int cols) {
+PAGED_DECODE_INLINE void add_columns(double* acc, __m512 x0, __m512 x1, int cols) {
   // the upper halves through a double cast: AVX-512F alone has no 256-bit float extract
   const __m256 part[4] = {_mm512_castps512_ps256(x0), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x0), 1)),
                           _mm512_castps512_ps256(x1), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x1), 1))};
@@ -86,32 +98,55 @@ inline void add_columns(double* acc, __m512 x0, __m512 x1, int cols) {
 
 // acc[r][c] += sum_j p[r][j] v[j][c] for R rows over the tile's n tokens; pb: [R][16] bf16
 // probability pairs (token 2jp, 2jp + 1), zero past n. Value rows past n are never read.
+// 8 / R steps of 32 columns at once: 16 accumulators whatever R, so few rows still have
+// independent dot-product chains enough to hide their latency.
 template <int R>
-inline void pv_small(double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n) {
+PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n) {
+  static_assert(R == 1 || R == 2 || R == 4 || R == 8, "8 / R column steps at once");
+  constexpr int C = 8 / R;
   // unpacklo/hi_epi16 of two rows leave, in lane 4L + i of the dot product, column 8L + i (lo)
   // and 8L + 4 + i (hi) of the 32; these indices put columns 0..15 / 16..31 back in order.
   alignas(64) static const int32_t first_index[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
   alignas(64) static const int32_t second_index[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
   const int pairs = (n + 1) / 2;
-  for (int c = 0; c < D; c += 32) {
-    const __mmask32 m = column_mask(D, c);
-    __m512 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int c0 = 0; c0 < D; c0 += 32 * C) {
+    __mmask32 m[C];
+#pragma GCC unroll 16
+    for (int i = 0; i < C; ++i) m[i] = c0 + 32 * i < D ? column_mask(D, c0 + 32 * i) : __mmask32(0);
+    __m512 a[R][C][2];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+      for (int i = 0; i < C; ++i) a[r][i][0] = a[r][i][1] = _mm512_setzero_ps();
     for (int jp = 0; jp < pairs; ++jp) {
-      const __m512i even = _mm512_maskz_loadu_epi16(m, v[2 * jp] + c);
-      const __m512i odd = 2 * jp + 1 < n ? _mm512_maskz_loadu_epi16(m, v[2 * jp + 1] + c) : _mm512_setzero_si512();
-      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(even, odd), hi = (__m512bh)_mm512_unpackhi_epi16(even, odd);
-      for (int r = 0; r < R; ++r) {
-        const __m512bh pr = (__m512bh)_mm512_set1_epi32(int(pb[r * (kSmallTileTokens / 2) + jp]));
-        a[r][0] = _mm512_dpbf16_ps(a[r][0], pr, lo);
-        a[r][1] = _mm512_dpbf16_ps(a[r][1], pr, hi);
+      const bool has_odd = 2 * jp + 1 < n;
+      __m512bh pr[R];
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) pr[r] = (__m512bh)_mm512_set1_epi32(int(pb[r * (kSmallTileTokens / 2) + jp]));
+#pragma GCC unroll 16
+      for (int i = 0; i < C; ++i) {
+        if (m[i] == 0) break;  // past the head's last column
+        const __m512i even = _mm512_maskz_loadu_epi16(m[i], v[2 * jp] + c0 + 32 * i);
+        const __m512i odd = has_odd ? _mm512_maskz_loadu_epi16(m[i], v[2 * jp + 1] + c0 + 32 * i) : _mm512_setzero_si512();
+        const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(even, odd), hi = (__m512bh)_mm512_unpackhi_epi16(even, odd);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          a[r][i][0] = _mm512_dpbf16_ps(a[r][i][0], pr[r], lo);
+          a[r][i][1] = _mm512_dpbf16_ps(a[r][i][1], pr[r], hi);
+        }
       }
     }
     const __m512i i0 = _mm512_load_si512(first_index), i1 = _mm512_load_si512(second_index);
-    const int cols = D - c < 32 ? D - c : 32;
-    for (int r = 0; r < R; ++r)
-      add_columns(acc + size_t(r) * D + c, _mm512_permutex2var_ps(a[r][0], i0, a[r][1]),
-                  _mm512_permutex2var_ps(a[r][0], i1, a[r][1]), cols);
+#pragma GCC unroll 16
+    for (int i = 0; i < C; ++i) {
+      const int c = c0 + 32 * i;
+      if (c >= D) break;
+      const int cols = D - c < 32 ? D - c : 32;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        add_columns(acc + size_t(r) * D + c, _mm512_permutex2var_ps(a[r][i][0], i0, a[r][i][1]),
+                    _mm512_permutex2var_ps(a[r][i][0], i1, a[r][i][1]), cols);
+    }
   }
 }
 
@@ -142,4 +177,5 @@ inline void small_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, 
 }
 
 }  // namespace paged::cpu::PAGED_CPU_ISA_NS
+#undef PAGED_DECODE_INLINE
 #endif
