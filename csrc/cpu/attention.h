@@ -105,6 +105,7 @@ struct Scratch {
   std::vector<int64_t> first_visible, last_visible, position;
   std::vector<uint32_t> qb, kt, vp, pb;  // the bf16 dot-product path's layouts (bf16_dot.h)
   std::vector<float> acc32;              // and its fp32 PV sums between flushes
+  std::vector<double> acc_scale;         // the corrections acc still owes at the next flush
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
   void resize(int64_t rows, int64_t heads, int head_size) {
@@ -128,6 +129,7 @@ struct Scratch {
     vp.resize(size_t(kTileTokens / 2) * dv);
     pb.resize(size_t(rows) * kTileTokens / 2);
     acc32.resize(size_t(rows) * heads * dv);
+    acc_scale.resize(size_t(rows) * heads);
   }
 };
 
@@ -169,6 +171,25 @@ __attribute__((noinline)) inline void fold_finish(double m, double w, const doub
   }
   for (int d = 0; d < D; ++d) out[d] = float(acc[d] * a / w);
   if (lse != nullptr) *lse = float(m + std::log(w));
+}
+
+// A row's output and log-sum-exp straight from its one chunk's running max m, sum l and
+// accumulator acc (v_mul: the value scale): what fold_part then fold_finish give for a single
+// part, without the fp32 part and the fold's passes between. For tasks of one chunk that are not
+// split, i.e. never in batch-invariant mode (its bits must match a fold of several chunks).
+// l == 0 (no key, or only -inf scores): NaN and -inf, or 0 and the sink with a sink.
+inline void finish_row(double m, double l, const double* acc, int D, double v_mul, const float* sink, float* out,
+                       float* lse) {
+  if (sink != nullptr && double(*sink) != -std::numeric_limits<double>::infinity()) {
+    const double m_new = std::max(m, double(*sink));  // a NaN m stays: the row is NaN
+    const double a = std::exp(m - m_new);
+    l = l * a + std::exp(double(*sink) - m_new);
+    v_mul *= a;
+    m = m_new;
+  }
+  const double norm = v_mul / l;
+  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * norm);
+  if (lse != nullptr) *lse = float(m + std::log(l));
 }
 
 // Into L2, not L1: the next tile is 16 KiB per KV head, which L1 prefetches (prefetcht0) cannot
@@ -373,7 +394,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       w.fold_w[hl * rows + r] = 0.0;
     }
   }
-  std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
+  // One chunk, not split (outside batch-invariant mode): the epilogue writes out and lse at once
+  // (finish_row) and the fold's accumulator is never read.
+  const bool direct = !split && t.chunk_tokens == 0 && begin < end;
+  if (!direct) std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
 #if defined(__AVX512BF16__)
   // bf16 caches on this build: QK and PV by bf16 dot products (bf16_dot.h) when the task has
   // rows enough to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
@@ -396,7 +420,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const int dot_dv = (D + 31) / 32 * 32;
   // Every chunk's last tile flushes acc32 to zero; zeroed here too, so no earlier task's
   // leftovers (a NaN row) can reach this one.
-  if (dot) std::fill(w.acc32.begin(), w.acc32.begin() + size_t(rows) * heads * dot_dv, 0.f);
+  if (dot) {
+    std::fill(w.acc32.begin(), w.acc32.begin() + size_t(rows) * heads * dot_dv, 0.f);
+    std::fill(w.acc_scale.begin(), w.acc_scale.begin() + rows * heads, 1.0);
+  }
 #endif
   if (split && begin >= end)  // none of the rows sees this split: an empty part each
     for (int64_t row = 0; row < rows * heads; ++row) part_lse[t.partial_offset + row] = -std::numeric_limits<double>::infinity();
@@ -536,11 +563,13 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
             sum = sum + e;
           }
           if (correction != 1.f) {
-            for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
 #if defined(__AVX512BF16__)
-            if (dot)  // the tiles not yet flushed are part of the row's sum too
+            if (dot) {  // acc32 now; acc (fp64, rows too large to rescale often) at the next flush
               for (int d = 0; d < D; ++d) w.acc32[(size_t(hl) * rows + r) * dot_dv + d] *= correction;
+              w.acc_scale[hl * rows + r] *= correction;
+            } else
 #endif
+            for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
           }
           l[r] = l[r] * correction + sum.sum();
           m[r] = m_new;
@@ -552,7 +581,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           float* acc32 = &w.acc32[size_t(hl) * rows * dot_dv];
           dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), dot_dv);
           if (j0 + kTileTokens >= c1 || ((j0 - c0) / kTileTokens + 1) % kDotFlushTiles == 0)
-            flush_acc(rows, acc32, dot_dv, acc, D);
+            flush_acc(rows, acc32, dot_dv, acc, D, &w.acc_scale[hl * rows]);
         } else if (small_dot) {
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
           small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const uint16_t* const*>(v_rows), n);
@@ -572,6 +601,13 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = hl * rows + r;
         const double* acc = &w.acc[size_t(row) * D];
+        if (direct) {
+          const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
+          finish_row(double(w.m[row]), w.l[row], acc, D, v_mul, p.sinks ? p.sinks + head : nullptr, w.out.data(),
+                     p.lse ? p.lse + token * p.num_heads + head : nullptr);
+          from_float(w.out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
+          continue;
+        }
         // l == 0: the row saw no key in this chunk, or every score it saw was -inf (softmax
         // over only -inf is NaN in the reference: the fold gives that when no part is left).
         // l is NaN for NaN rows.
@@ -587,7 +623,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       }
     }
   }
-  if (split) return;
+  if (split || direct) return;
 
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
@@ -634,7 +670,9 @@ void merge_splits(const AttentionParams& p, const Task* splits, const float* par
 // what its rows see (a window skips the rest), from a tile boundary.
 inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, int64_t& partial_rows) {
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t tile_tokens = std::max<int64_t>(1, 64 / group);  // ~64 rows per KV head and task
+  // ~128 rows per KV head and task: a K/V tile's re-layout (bf16 dot path) and a task's set-up
+  // and epilogue are paid once for more rows (1 x 2048 causal: +7% per CPU second over 64).
+  const int64_t tile_tokens = std::max<int64_t>(1, 128 / group);
   int64_t query_tiles = 0;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];

@@ -157,15 +157,19 @@ inline void pv_dot(float* acc, int DV, const uint32_t* pb, const uint32_t* vp) {
   }
 }
 
-// acc[r][0..D) += acc32[r][0..D) widened exactly to fp64, then acc32 zeroed (all DV columns:
-// the padding columns may hold 0 * NaN). D is a multiple of 8.
-inline void flush_acc(int64_t rows, float* acc32, int DV, double* acc, int D) {
+// acc[r][0..D) = acc[r][0..D) * scale[r] + acc32[r][0..D) (acc32 widened exactly to fp64), then
+// scale[r] = 1 and acc32 zeroed (all DV columns: the padding columns may hold 0 * NaN). scale
+// holds the softmax corrections since the last flush (acc32 took them at once; the fp64 rows
+// are too large to rescale at every new maximum). D is a multiple of 8.
+inline void flush_acc(int64_t rows, float* acc32, int DV, double* acc, int D, double* scale) {
   for (int64_t r = 0; r < rows; ++r) {
     float* a = acc32 + size_t(r) * DV;
     double* o = acc + size_t(r) * D;
+    const __m512d f = _mm512_set1_pd(scale[r]);
     for (int c = 0; c < D; c += 8)
-      _mm512_storeu_pd(o + c, _mm512_add_pd(_mm512_loadu_pd(o + c), _mm512_cvtps_pd(_mm256_loadu_ps(a + c))));
+      _mm512_storeu_pd(o + c, _mm512_fmadd_pd(_mm512_loadu_pd(o + c), f, _mm512_cvtps_pd(_mm256_loadu_ps(a + c))));
     for (int c = 0; c < DV; c += 16) _mm512_storeu_ps(a + c, _mm512_setzero_ps());
+    scale[r] = 1.0;
   }
 }
 

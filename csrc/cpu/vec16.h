@@ -37,7 +37,7 @@ struct Vec16 {
   }
   // Vec8::exp in 16 lanes: Cephes' range reduction and polynomial, exact 0 below -87.3 (masked
   // scores give probability 0), NaN stays NaN (min/max pass their second operand's NaN).
-  static Vec16 exp(Vec16 x) {
+  __attribute__((always_inline)) static Vec16 exp(Vec16 x) {
     const __mmask16 underflow = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
     __m512 a = _mm512_max_ps(_mm512_set1_ps(-87.3f), _mm512_min_ps(_mm512_set1_ps(88.37f), x.v));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(a, _mm512_set1_ps(1.44269504088896341f)),
