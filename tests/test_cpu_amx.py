@@ -18,7 +18,10 @@ the contract; not timing, not the OS's permission path, not hardware rounding co
 """
 from __future__ import annotations
 
+import re
+import shutil
 import struct
+import subprocess
 
 import pytest
 import torch
@@ -99,9 +102,9 @@ def test_prefill_head_sizes_and_tails(amx, head_size, causal):
         assert_lse_close(lse, ref_lse, torch.float32, what)
 
 
-@pytest.mark.parametrize("head_size", [72, 200])
+@pytest.mark.parametrize("head_size", [72, 120, 200])
 def test_prefill_odd_head_sizes(amx, head_size):
-    # 72: 4 column pairs after two steps; 200: 100 pairs = 6 steps + 4.
+    # Column pairs left after the 16-pair steps: 72: 4, 120: 12, 200: 4 (100 pairs = 6 steps + 4).
     case = make_case([70, 40], q_lens=[70, 40], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16,
                      dtype=BF16, seed=head_size)
     out, lse, dots = run(case, True, {})
@@ -291,6 +294,17 @@ def test_tdpbf16ps_shape_mismatch_raises():
 
 
 # --- the dispatch --------------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="no objdump (binutils)")
+def test_the_amx_build_holds_the_tile_instructions():
+    # The real build is compiled wherever the compiler takes the flags (it cannot run here): its
+    # kernels are in the extension as AMX instructions (QK's steps and tail step, PV: 6 TDPBF16PS).
+    so = paged_ops._C.__file__
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", so], capture_output=True, text=True, check=True).stdout
+    counts = {i: len(re.findall(rf"\b{i}\b", asm)) for i in ("ldtilecfg", "tileloadd", "tilestored", "tilezero",
+                                                             "tdpbf16ps")}
+    assert all(counts.values()) and counts["tdpbf16ps"] >= 6, counts
+
 
 def test_amx_emulated_is_never_the_default():
     assert ops.supported_isas()[0] == "amx_emulated" and ops.supported_isas()[-1] != "amx_emulated"

@@ -1,7 +1,7 @@
-// A scalar model of the AMX instructions amx_dot.h uses (LDTILECFG, STTILECFG, TILELOADD,
-// TILESTORED, TILEZERO, TILERELEASE, TDPBF16PS), for the isa_amx_emulated build: the same tile
+// A scalar model of the AMX instructions amx_dot.h uses (LDTILECFG, TILELOADD, TILESTORED,
+// TILEZERO, TDPBF16PS; TILERELEASE for the tests), for the isa_amx_emulated build: the same tile
 // kernels compiled on it run, and are tested, on a CPU without AMX. Written from the pseudocode of
-// Intel's SDM (vol. 2, the instructions' Operation sections; vol. 1 ch. 18 for palette 1), not from
+// Intel's SDM (vol. 2: the instructions' Operation sections, 2.10's AMX exception classes), not from
 // hardware: what it proves is that the kernels' configs, shapes, strides and layouts are what the
 // instructions define, and its numbers are the SDM's arithmetic; timing, the OS's permission path
 // (arch_prctl) and hardware rounding corners the SDM leaves unsaid are not modelled.
@@ -157,14 +157,6 @@ inline void ldtilecfg(const void* mem) {
   t_tiles.config = c;
   std::memset(t_tiles.data, 0, sizeof(t_tiles.data));
   std::memset(t_tiles.written, 0, sizeof(t_tiles.written));
-}
-
-// 64 zero bytes when no configuration is loaded (the SDM's INIT state).
-inline void sttilecfg(void* mem) {
-  if (t_tiles.configured)
-    std::memcpy(mem, &t_tiles.config, sizeof(TileConfig));
-  else
-    std::memset(mem, 0, sizeof(TileConfig));
 }
 
 inline void tilerelease() {
