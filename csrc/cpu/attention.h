@@ -545,16 +545,17 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
             vsum = vsum + SV::load(s + c);
           }
           float tile_max = vmax.reduce_max();
-          // A NaN score (a NaN in K, or +inf next to a hidden -inf) makes the row NaN, as in the
-          // reference: the max above may drop NaN, so the sum tells; NaN then flows through m, the
-          // correction, exp and l. +inf alone does too: exp(inf - inf) is NaN.
-          if (std::isnan(vsum.sum())) tile_max = std::numeric_limits<float>::quiet_NaN();
+          // A NaN score (a NaN in K) makes the row NaN, as in the reference: the max above may drop
+          // NaN, so the lane sums tell (a lane test, no horizontal sum); NaN then flows through m,
+          // the correction, exp and l. +inf does too: exp(inf - inf) is NaN.
+          if (vsum.any_nan()) tile_max = std::numeric_limits<float>::quiet_NaN();
           if (tile_max == kNegInf) {  // every score the row sees here is -inf: contributes nothing
             std::fill(s, s + kTileTokens, 0.f);
             continue;
           }
           const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
-          const float correction = std::exp(m[r] - m_new);  // exp(-inf) = 0 on the first tile
+          // exp(-inf) = 0 on the first tile; 1 (exp(0), no libm call) when the max stays
+          const float correction = m_new == m[r] ? 1.f : std::exp(m[r] - m_new);
           const SV shift = SV::broadcast(m_new);
           SV sum = SV::zero();
           for (int c = 0; c < kTileTokens; c += SV::kLanes) {

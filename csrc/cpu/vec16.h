@@ -20,6 +20,7 @@ struct Vec16 {
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   Vec16 operator+(Vec16 o) const { return {_mm512_add_ps(v, o.v)}; }
   Vec16 operator-(Vec16 o) const { return {_mm512_sub_ps(v, o.v)}; }
+  bool any_nan() const { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0; }
   // As _mm256_max_ps: the second operand when either is NaN.
   static Vec16 max(Vec16 a, Vec16 b) { return {_mm512_max_ps(a.v, b.v)}; }
   __m256 high() const { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }

@@ -102,6 +102,7 @@ struct Vec8 {
   Vec8 operator+(Vec8 o) const { return {_mm256_add_ps(v, o.v)}; }
   Vec8 operator-(Vec8 o) const { return {_mm256_sub_ps(v, o.v)}; }
   static Vec8 max(Vec8 a, Vec8 b) { return {_mm256_max_ps(a.v, b.v)}; }
+  bool any_nan() const { return _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)) != 0; }
   float reduce_max() const {
     __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_max_ps(x, _mm_movehl_ps(x, x));
@@ -205,6 +206,11 @@ struct Vec8 {
     return r;
   }
   float reduce_max() const { return *std::max_element(v, v + 8); }
+  bool any_nan() const {
+    for (float e : v)
+      if (std::isnan(e)) return true;
+    return false;
+  }
   static Vec8 exp(Vec8 x) {
     Vec8 r;
     for (int i = 0; i < 8; ++i) r.v[i] = std::exp(x.v[i]);
