@@ -52,7 +52,7 @@ PAGED_DECODE_INLINE __mmask32 column_mask(int D, int c) { return D - c >= 32 ? ~
 
 // s[r][j] = scale * (q[r] . k[j]) for R rows (q: [R][D] bf16, row stride D) and the tile's n
 // tokens, 16 / R tokens per step (16 (row, token) vectors per reduction); P prefetches the next
-// tile as the tokens go. Scores of tokens past n (up to the step's end) are of token n - 1:
+// tile's keys as the tokens go. Scores of tokens past n (up to the step's end) are of token n - 1:
 // finite, and masked by the softmax.
 template <int R, typename P>
 PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const uint16_t* const* k, int n, float scale, float* s, const P& next) {
@@ -60,7 +60,6 @@ PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const uint16_t* cons
   constexpr int T = 16 / R;
   const __m512 mul = _mm512_set1_ps(scale);
   for (int j0 = 0; j0 < n; j0 += T) {
-    next.rows(j0, T);
     const uint16_t* kj[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) kj[t] = k[j0 + t < n ? j0 + t : n - 1];
@@ -74,6 +73,11 @@ PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const uint16_t* cons
       for (int r = 0; r < R; ++r) qv[r] = (__m512bh)_mm512_maskz_loadu_epi16(m, q + size_t(r) * D + c);
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) {
+        // The next tile's keys one token at a time, its values in pv_small: K and V lines
+        // together, or a step's tokens at once, fill the miss buffers and stall the loads
+        // here (decode at 1 thread: MHA and group 4 went from below the 8-lane path's rate to
+        // about equal with it when the values moved to PV).
+        if (c == 0) next.keys(j0 + t, 1);
         const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, kj[t] + c);
   #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) a[r * T + t] = _mm512_dpbf16_ps(a[r * T + t], qv[r], kv);
@@ -97,11 +101,12 @@ PAGED_DECODE_INLINE void add_columns(double* acc, __m512 x0, __m512 x1, int cols
 }
 
 // acc[r][c] += sum_j p[r][j] v[j][c] for R rows over the tile's n tokens; pb: [R][16] bf16
-// probability pairs (token 2jp, 2jp + 1), zero past n. Value rows past n are never read.
+// probability pairs (token 2jp, 2jp + 1), zero past n. Value rows past n are never read. P
+// prefetches the next tile's values.
 // 8 / R steps of 32 columns at once: 16 accumulators whatever R, so few rows still have
 // independent dot-product chains enough to hide their latency.
-template <int R>
-PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n) {
+template <int R, typename P>
+PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n, const P& next) {
   static_assert(R == 1 || R == 2 || R == 4 || R == 8, "8 / R column steps at once");
   constexpr int C = 8 / R;
   // unpacklo/hi_epi16 of two rows leave, in lane 4L + i of the dot product, column 8L + i (lo)
@@ -119,6 +124,7 @@ PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const 
 #pragma GCC unroll 16
       for (int i = 0; i < C; ++i) a[r][i][0] = a[r][i][1] = _mm512_setzero_ps();
     for (int jp = 0; jp < pairs; ++jp) {
+      if (c0 == 0) next.values(2 * jp, 2);  // the next tile's values (see qk_small)
       const bool has_odd = 2 * jp + 1 < n;
       __m512bh pr[R];
 #pragma GCC unroll 16
@@ -170,9 +176,11 @@ inline void small_qk_rows(int64_t rows, const uint16_t* q, int D, const uint16_t
     qk_small<R>(q + size_t(r) * D, D, k, n, scale, s + size_t(r) * kSmallTileTokens, r == 0 ? next : P{});
   });
 }
-inline void small_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n) {
+template <typename P>
+inline void small_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n,
+                          const P& next) {
   for_small_rows(rows, [&](auto R, int64_t r) {
-    pv_small<R>(acc + size_t(r) * D, D, pb + size_t(r) * (kSmallTileTokens / 2), v, n);
+    pv_small<R>(acc + size_t(r) * D, D, pb + size_t(r) * (kSmallTileTokens / 2), v, n, r == 0 ? next : P{});
   });
 }
 
