@@ -129,3 +129,90 @@ def test_large_group_decode_takes_the_path_too(bf16_isa):
                                softcap=5.0, window_left=500)
     assert_close(out, ref, BF16)
     assert_lse_close(lse, ref_lse, torch.float32)
+
+
+# fp8 caches under a bf16 query take the same path: each tile's rows widened to bf16 (exact for
+# both formats) before the re-layout, the k/v scales folded in as on the 8-lane path.
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def fp8_bytes(dtype, finite=True):
+    b = torch.arange(256, dtype=torch.uint8)
+    return b[b.view(dtype).float().isfinite() == finite]
+
+
+def set_token_bytes(cache, case, seq, token, kv_head, row):
+    block = int(case.block_tables[seq, token // case.key_cache.shape[1]])
+    cache.view(torch.uint8)[block, token % case.key_cache.shape[1], kv_head] = row
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("scale_kind", ["tensor", "head"])
+def test_fp8_caches_every_value(bf16_isa, fp8, scale_kind):
+    # window_left=0: each row sees only its own key, so its probability is exactly 1, its output
+    # that value row times v_scale (to bf16 rounding, elementwise), and its lse that key's score
+    # (exact products summed in fp32). Every finite byte of the format lies in K and V, in many
+    # columns, subnormals and the largest values included: a value widened wrong fails.
+    d, heads, kv_heads = 72, 8, 2  # 72: a masked column step
+    case = make_case([300], q_lens=[300], num_heads=heads, num_kv_heads=kv_heads, head_size=d, block_size=16,
+                     dtype=BF16, cache_dtype=fp8, scale_kind=scale_kind, seed=21)
+    values = fp8_bytes(fp8)
+    gen = torch.Generator().manual_seed(3)
+    for t in range(300):
+        for h in range(kv_heads):
+            set_token_bytes(case.key_cache, case, 0, t, h, values[torch.randint(len(values), (d,), generator=gen)])
+            set_token_bytes(case.value_cache, case, 0, t, h, values[(torch.arange(d) + (t * kv_heads + h) * d) % len(values)])
+    kw = dict(window_left=0)
+    out, lse = run(case, True, kw)
+    ref, ref_lse = ref_rows(case, True, kw)
+    assert torch.isfinite(ref).all()
+    err = (out.double() - ref).abs()
+    assert (err <= ref.abs() * 2.0 ** -8).all(), f"worst {(err / ref.abs().clamp_min(1e-30)).max():.3g}"
+    # The lse (one score) within fp32 summation's bound: D * 2^-24 * sum of |terms|.
+    q = case.query.double().view(300, kv_heads, heads // kv_heads, d)
+    k = torch.stack([case.key_cache[int(case.block_tables[0, t // 16]), t % 16].double() for t in range(300)])
+    ks = case.k_scale.double().view(1, -1, 1) if case.k_scale.numel() > 1 else case.k_scale.double()
+    bound = (q.abs() * k.abs().unsqueeze(2)).sum(-1) * ks * case.scale * (d + 2) * 2.0 ** -24
+    assert ((lse.double() - ref_lse).abs().view(300, kv_heads, -1) <= bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("head_size", [72, 128])
+def test_fp8_caches_with_variants_take_the_path(bf16_isa, fp8, head_size):
+    case = make_case([300, 129], q_lens=[300, 64], num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
+                     dtype=BF16, cache_dtype=fp8, scale_kind="head", seed=head_size)
+    kw = variants(16, "all")
+    out, lse = run(case, True, kw)
+    ref, ref_lse = ref_rows(case, True, kw)
+    assert_close(out, ref, BF16)
+    assert_lse_close(lse, ref_lse, torch.float32)
+    # The 8-lane build (fp32 probabilities) agrees within bf16's budget but not bit for bit:
+    # the bf16 probabilities show that the dot path ran.
+    out8, _ = run(case, True, kw, isa="avx512")
+    assert rel_err(out, out8.double()) <= 1e-2
+    assert not torch.equal(out, out8)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("which", ["k", "v"])
+def test_fp8_nan_bytes_in_a_tile(bf16_isa, fp8, which):
+    # Every NaN byte of the format, one per (sequence, position) in the middle of a tile: NaN
+    # exactly in the rows the reference's are (a NaN key: the rows that see it; a NaN value: every
+    # row of the sequence's KV head, as 0 * NaN in the reference's sum, non-causal so the kernel's
+    # rows all read that tile), the others within the budget.
+    nan_bytes = fp8_bytes(fp8, finite=False)
+    nan_bytes = nan_bytes[nan_bytes.view(fp8).float().isnan()]
+    causal = which == "k"
+    n = len(nan_bytes)
+    case = make_case([96] * n, q_lens=[96] * n, num_heads=8, num_kv_heads=2, head_size=64, block_size=16,
+                     dtype=BF16, cache_dtype=fp8, seed=13)
+    cache = case.key_cache if which == "k" else case.value_cache
+    for s, byte in enumerate(nan_bytes.tolist()):
+        block = int(case.block_tables[s, (40 + s) // 16])
+        cache.view(torch.uint8)[block, (40 + s) % 16, 1, 5] = byte
+    out, lse = run(case, causal, {})
+    ref, ref_lse = ref_rows(case, causal, {})
+    nan_rows = ref.isnan().any(-1)
+    assert nan_rows.any() and not nan_rows.all()
+    assert torch.equal(out.isnan().any(-1), nan_rows)
+    assert_close(out[~nan_rows].view(-1, 64), ref[~nan_rows].view(-1, 64), BF16)

@@ -106,6 +106,7 @@ struct Scratch {
   std::vector<uint32_t> qb, kt, vp, pb;  // the bf16 dot-product path's layouts (bf16_dot.h)
   std::vector<float> acc32;              // and its fp32 PV sums between flushes
   std::vector<double> acc_scale;         // the corrections acc still owes at the next flush
+  std::vector<uint16_t> kw;              // fp8 caches: a tile's K or V rows widened to bf16
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
   void resize(int64_t rows, int64_t heads, int head_size) {
@@ -130,6 +131,7 @@ struct Scratch {
     pb.resize(size_t(rows) * kTileTokens / 2);
     acc32.resize(size_t(rows) * heads * dv);
     acc_scale.resize(size_t(rows) * heads);
+    kw.resize(size_t(kTileTokens) * head_size);
   }
 };
 
@@ -409,10 +411,12 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const bool direct = !split && t.chunk_tokens == 0 && begin < end;
   if (!direct) std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
 #if defined(__AVX512BF16__)
-  // bf16 caches on this build: QK and PV by bf16 dot products (bf16_dot.h) when the task has
-  // rows enough to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
+  // bf16 caches on this build, and fp8 caches under a bf16 query (widened to bf16 exactly in
+  // the re-layout): QK and PV by bf16 dot products (bf16_dot.h) when the task has rows enough
+  // to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
   // Never in batch-invariant mode: there decode and prefill rows must share one code path.
-  const bool dot = std::is_same_v<CT, c10::BFloat16> && !p.batch_invariant && rows >= kMinDotRows;
+  constexpr bool kDotCache = std::is_same_v<CT, c10::BFloat16> || (is_fp8_v<CT> && std::is_same_v<QT, c10::BFloat16>);
+  const bool dot = kDotCache && !p.batch_invariant && rows >= kMinDotRows;
   // Fewer rows (decode: the GQA group): bf16 dot products on the keys and values as they lie
   // (decode_dot.h), no re-layout to pay for.
   const bool small_dot = std::is_same_v<CT, c10::BFloat16> && !p.batch_invariant && rows < kMinDotRows;
@@ -515,7 +519,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         double* l = &w.l[hl * rows];
 #if defined(__AVX512BF16__)
         if (dot) {
-          transpose_keys(reinterpret_cast<const uint16_t* const*>(k_rows), n, D, w.kt.data(), next);
+          const uint16_t* widened[kTileTokens];  // fp8 caches: the rows widened to bf16 (in w.kw)
+          transpose_keys(dot_rows<CT>(k_rows, n, D, w.kw.data(), widened), n, D, w.kt.data(), next);
           const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
           const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
           dot_qk_rows(rows, qb, D / 2, w.kt.data(), q_mul, w.s.data());
@@ -587,7 +592,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         }
 #if defined(__AVX512BF16__)
         if (dot) {
-          interleave_values(reinterpret_cast<const uint16_t* const*>(v_rows), n, D, w.vp.data(), dot_dv);
+          const uint16_t* widened[kTileTokens];
+          interleave_values(dot_rows<CT>(v_rows, n, D, w.kw.data(), widened), n, D, w.vp.data(), dot_dv);
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
           float* acc32 = &w.acc32[size_t(hl) * rows * dot_dv];
           dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), dot_dv);

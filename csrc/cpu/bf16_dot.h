@@ -26,6 +26,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "convert.h"
+
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 
 inline constexpr int kDotTileTokens = 32;  // == kTileTokens (two 16-lane vectors of scores)
@@ -87,6 +89,51 @@ inline void transpose_keys(const uint16_t* const* k, int n, int D, uint32_t* kt,
       transpose16(r);
       for (int c = 0; c < cols; ++c) _mm512_storeu_si512(kt + (dp0 + c) * kDotTileTokens + j0, r[c]);
     }
+}
+
+// fp8 caches (the query bf16): the tile's n rows widened to bf16 rows of D words in out, and
+// ptrs[j] pointing at them, for the re-layouts below. Exact: bf16's exponent range and 7
+// mantissa bits hold every e4m3fn and e5m2 value. Through fp16, as vec8.h reads them: e5m2 is
+// an fp16's top byte (infinities and NaN included); e4m3fn is read as its value / 2^8 (kUnit in
+// CacheRead, which the scales take back), 0x7F/0xFF a NaN. fp16 -> fp32 is exact (vcvtph2ps
+// widens fp16 subnormals, e4m3fn's small values / 2^8), and the fp32's top half is then the
+// bf16 with nothing cut (at most 3 mantissa bits).
+template <typename T>
+inline void widen_fp8_rows(const T* const* rows, int n, int D, uint16_t* out, const uint16_t** ptrs) {
+  for (int j = 0; j < n; ++j) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(rows[j]);
+    uint16_t* dst = out + size_t(j) * D;
+    for (int c = 0; c < D; c += 32) {
+      const __mmask32 m = D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1;
+      const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, src + c)), 8);
+      __m512i half = high;  // e5m2
+      if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
+        // exponent and mantissa one bit down, the sign's copy out of the exponent's top bit
+        half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
+        const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(high, 1), _mm512_set1_epi16(int16_t(0xFE00)));
+        half = _mm512_mask_mov_epi16(half, nan, _mm512_or_si512(half, _mm512_set1_epi16(0x7C00)));
+      }
+      const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(half))), 16);
+      const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1))), 16);
+      const __m512i bf = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
+      _mm512_mask_storeu_epi16(dst + c, m, bf);
+    }
+    ptrs[j] = dst;
+  }
+}
+
+// The tile's n rows (of cache dtype CT) as bf16 rows for the re-layouts: bf16 as they lie, fp8
+// widened into buf ([kDotTileTokens][D]) with ptrs to its rows.
+template <typename CT, typename R>
+inline const uint16_t* const* dot_rows(const R* const* rows, int n, int D, uint16_t* buf, const uint16_t** ptrs) {
+  if constexpr (std::is_same_v<CT, c10::BFloat16>) {
+    return reinterpret_cast<const uint16_t* const*>(rows);
+  } else if constexpr (is_fp8_v<CT>) {
+    widen_fp8_rows(reinterpret_cast<const CT* const*>(rows), n, D, buf, ptrs);
+    return ptrs;
+  } else {
+    return nullptr;  // never: attention.h takes the dot path for bf16 and fp8 caches only
+  }
 }
 
 // vp from the tile's n value rows; DV = D rounded up to 32 (vp's row length).
