@@ -3,6 +3,10 @@ block 16, the two shapes of bench/vllm_kernels.py (2 x 512, 1 x 2048), TFLOP/s p
 error against the float64 reference on the last rows of sequence 0.
 
   .venv/bin/python -m bench.cpu_prefill_profile [--threads 2] [--isas avx512,avx512_bf16] [--repeat 5]
+      [--caches bf16,e4m3fn,e5m2]
+
+--caches: the KV cache dtypes (the query stays bf16; fp8 caches with a per-tensor scale, which
+the avx512_bf16 build widens to bf16 for its dot products).
 
 TFLOP/s counts 4 * heads * head_size flops per attended (query, key) pair (QK and PV), causal,
 as bench/kernels.py does. Best of --repeat calls (a shared machine's load only slows a call);
@@ -29,13 +33,17 @@ def flops(num_seqs: int, context: int, heads: int, head_size: int) -> float:
     return 4.0 * heads * head_size * pairs
 
 
-def run(isa: str, num_seqs: int, context: int, repeat: int, heads=32, kv_heads=8, head_size=128):
+CACHES = {"bf16": None, "e4m3fn": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def run(isa: str, num_seqs: int, context: int, repeat: int, heads=32, kv_heads=8, head_size=128, cache="bf16"):
     """(TFLOP/s by wall time, TFLOP/s per CPU second of the process, rel err)."""
     c = make_case([context] * num_seqs, [context] * num_seqs, num_heads=heads, num_kv_heads=kv_heads,
-                  head_size=head_size, block_size=16, dtype=torch.bfloat16, poison_unused=False, seed=1)
+                  head_size=head_size, block_size=16, dtype=torch.bfloat16, cache_dtype=CACHES[cache],
+                  poison_unused=False, seed=1)
     out = torch.empty_like(c.query)
     args = (out, c.query, c.key_cache, c.value_cache, c.block_tables, c.cu_seqlens_q, c.seq_lens,
-            context, c.scale, True, None, None)
+            context, c.scale, True, c.k_scale, c.v_scale)
     previous = ops.set_isa(isa)
     try:
         ops.prefill_attention(*args)  # warm-up (page faults, OpenMP threads)
@@ -53,7 +61,7 @@ def run(isa: str, num_seqs: int, context: int, repeat: int, heads=32, kv_heads=8
     ref = torch.empty(64, heads, head_size, dtype=torch.float64)
     reference.prefill_attention(ref, q0.double(), c.key_cache.double(), c.value_cache.double(),
                                 c.block_tables[:1], torch.tensor([0, 64], dtype=torch.int32),
-                                c.seq_lens[:1], 64, c.scale, True)
+                                c.seq_lens[:1], 64, c.scale, True, c.k_scale, c.v_scale)
     err = rel_err(out[rows], ref)
     f = flops(num_seqs, context, heads, head_size)
     return f / best / 1e12, f / best_cpu / 1e12, err
@@ -64,14 +72,16 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--isas", default=",".join(ops.supported_isas()))
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--caches", default="bf16", help=f"comma-separated, of {','.join(CACHES)}")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     print(f"threads {a.threads}; causal bf16 prefill, 32/8 heads, head 128, block 16")
-    print(f"{'isa':<12} {'shape':<10} {'TFLOP/s':>8} {'per CPU s':>9} {'rel err':>9}")
+    print(f"{'isa':<12} {'cache':<7} {'shape':<10} {'TFLOP/s':>8} {'per CPU s':>9} {'rel err':>9}")
     for isa in a.isas.split(","):
-        for s, n in SHAPES:
-            tf, tf_cpu, err = run(isa, s, n, a.repeat)
-            print(f"{isa:<12} {f'{s} x {n}':<10} {tf:8.3f} {tf_cpu:9.3f} {err:9.2e}")
+        for cache in a.caches.split(","):
+            for s, n in SHAPES:
+                tf, tf_cpu, err = run(isa, s, n, a.repeat, cache=cache)
+                print(f"{isa:<12} {cache:<7} {f'{s} x {n}':<10} {tf:8.3f} {tf_cpu:9.3f} {err:9.2e}")
 
 
 if __name__ == "__main__":
