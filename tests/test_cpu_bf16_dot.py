@@ -6,7 +6,9 @@ Its edges: head sizes that are not multiples of 32 (masked column steps: 8, 40, 
 largest (256), tiles shorter than 32 tokens and odd (the zero padding of the transposed keys and
 the interleaved values), causal and not, the variants with their lse, rows that see one key,
 NaN keys, and a decode of a large GQA group. Everything against the float64 reference on NaN-poisoned outputs
-and unused cache slots; the 8-lane avx512 build of the same case must agree too.
+and unused cache slots; the 8-lane avx512 build of the same case must agree too. fp8 caches (e4m3fn,
+e5m2) under a bf16 query take the path as well, widened to bf16 in the tile's re-layout: every finite
+value of each format checked elementwise, NaN bytes, scales per tensor and per head.
 """
 from __future__ import annotations
 
