@@ -8,7 +8,8 @@ the contract; not timing, not the OS's permission path, not hardware rounding co
   - attention through the tiles (bf16 caches, >= 16 rows per KV head: prefill tiles, decode of
     large GQA groups): head sizes 64..256 incl. 80 and 96 (a K step of 8 or 16 column pairs left
     over), 16-row blocks with tails (rows not a multiple of 16: the rest by vdpbf16ps), tiles
-    shorter than 32 tokens, the variants with lse, NaN keys; each case also counts the TDPBF16PS
+    shorter than 32 tokens, the variants with lse, NaN keys, fp8 caches under a bf16 query (widened
+    to bf16 before the re-layout); each case also counts the TDPBF16PS
     the model ran, so a case that silently stopped using the tiles fails;
   - the model: TDPBF16PS's arithmetic against the SDM's pseudocode (exact sums, even/odd pair
     sums apart, bf16 denormals as zero, denormal results flushed), and every wrong use faulting;
@@ -143,6 +144,19 @@ def test_decode_of_large_groups(amx, heads, kv_heads):
     kw = dict(softcap=5.0, window_left=500, sinks=torch.randn(heads))
     out, lse, dots = run(case, True, kw, decode=True)
     ref, ref_lse = ref_rows(case, True, kw, decode=True)
+    assert dots > 0
+    assert_close(out, ref, BF16)
+    assert_lse_close(lse, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("scale_kind", ["tensor", "head"])
+def test_fp8_caches_under_a_bf16_query(amx, fp8, scale_kind):
+    # fp8 K/V widened to bf16 before the re-layout (bf16_dot.h), then the same tiles.
+    case = make_case([150, 70], q_lens=[150, 70], num_heads=16, num_kv_heads=2, head_size=80, block_size=16,
+                     dtype=BF16, cache_dtype=fp8, scale_kind=scale_kind, seed=13)
+    out, lse, dots = run(case, True, dict(softcap=4.0))
+    ref, ref_lse = ref_rows(case, True, dict(softcap=4.0))
     assert dots > 0
     assert_close(out, ref, BF16)
     assert_lse_close(lse, ref_lse, torch.float32)
