@@ -1,6 +1,6 @@
 """The cpu backend's small-row bf16 dot-product path (csrc/cpu/decode_dot.h): QK and PV by
 vdpbf16ps for tasks of fewer than 16 rows per KV head (decode: rows = the GQA group), bf16
-caches, avx512_bf16 build only, never in batch-invariant mode.
+caches and fp8 caches under a bf16 query, avx512_bf16 build only, never in batch-invariant mode.
 
 Its edges: every group size 1..15 (row blocks of 8/4/2/1) and 16 (the tiled dot path's first
 size, for the boundary), head sizes that are not multiples of 32 (masked column steps) up to 256,
@@ -180,3 +180,47 @@ def test_decode_takes_the_path(bf16_isa):
     invariant = nan_like(case.query)
     ops.decode_attention(*case.decode_args(invariant), batch_invariant=True)
     assert not torch.equal(out, invariant)
+
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("scale_kind", ["tensor", "head"])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 5, 8, 15])
+@pytest.mark.parametrize("head_size", [40, 128, 256])
+def test_fp8_caches(bf16_isa, cache_dtype, scale_kind, group, head_size):
+    # fp8 K/V widened to bf16 in registers (exact) under a bf16 query, scales per tensor / KV head.
+    case = make_case([77, 131, 33, 5, 300], num_heads=2 * group, num_kv_heads=2, head_size=head_size,
+                     block_size=16, dtype=BF16, cache_dtype=cache_dtype, scale_kind=scale_kind,
+                     seed=group * 100 + head_size)
+    check(case, {}, f"{cache_dtype}, group {group}")
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_variants_split_and_nan(bf16_isa, two_threads, cache_dtype):
+    kw = variants(8, "all", seed=2)
+    for lens in ([3000], [300, 129, 40]):  # split over tasks, then not
+        case = make_case(lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=BF16,
+                         cache_dtype=cache_dtype, seed=len(lens))
+        check(case, kw, f"{len(lens)} sequences")
+    # A NaN byte (0x7F: NaN in both fp8 dtypes) in a visible key of sequence 1, KV head 1: its rows only.
+    case = make_case([96, 96], num_heads=8, num_kv_heads=2, head_size=64, block_size=16, dtype=BF16,
+                     cache_dtype=cache_dtype, seed=4)
+    case.key_cache.view(torch.uint8)[int(case.block_tables[1, 70 // 16]), 70 % 16, 1, 9] = 0x7F
+    out, _ = decode(case, {})
+    ref, _ = ref_decode(case, {})
+    nan_rows = ref.isnan().any(-1)
+    assert nan_rows[1, 4:].all() and not nan_rows[1, :4].any() and not nan_rows[0].any()
+    assert torch.equal(out.isnan().any(-1), nan_rows)
+    assert_close(out[~nan_rows].view(-1, 64), ref[~nan_rows].view(-1, 64), BF16)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_fp8_decode_takes_the_path(bf16_isa, cache_dtype):
+    # As test_decode_takes_the_path: the fp8 tests above test this path only if decode takes it.
+    case = make_case([300, 129], num_heads=16, num_kv_heads=2, head_size=128, block_size=16, dtype=BF16,
+                     cache_dtype=cache_dtype, seed=9)
+    out, _ = decode(case, {})
+    out8, _ = decode(case, {}, isa="avx512")
+    assert not torch.equal(out, out8)

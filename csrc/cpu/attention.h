@@ -419,7 +419,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   const bool dot = kDotCache && !p.batch_invariant && rows >= kMinDotRows;
   // Fewer rows (decode: the GQA group): bf16 dot products on the keys and values as they lie
   // (decode_dot.h), no re-layout to pay for.
-  const bool small_dot = std::is_same_v<CT, c10::BFloat16> && !p.batch_invariant && rows < kMinDotRows;
+  // The same caches (fp8 widened in registers there, under a bf16 query dotted as it is).
+  using SmallE = std::conditional_t<is_fp8_v<CT>, CT, uint16_t>;  // decode_dot.h's element type
+  const bool small_dot = kDotCache && !p.batch_invariant && rows < kMinDotRows;
   if (dot || small_dot) {
     // The query rows as they are (bf16, CT's dtype): QK's products are then exact in fp32 and
     // the scale multiplies the fp32 scores (qk_dot), so scores and lse keep fp32 accuracy.
@@ -527,7 +529,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         } else if (small_dot) {
           const uint16_t* qb = reinterpret_cast<const uint16_t*>(&w.qb[size_t(hl) * rows * D / 2]);
           const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
-          small_qk_rows(rows, qb, D, reinterpret_cast<const uint16_t* const*>(k_rows), n, q_mul, w.s.data(), next);
+          small_qk_rows(rows, qb, D, reinterpret_cast<const SmallE* const*>(k_rows), n, q_mul, w.s.data(), next);
         } else
 #endif
         if (const Finite* const* k_fast = as_finite(k_rows, n))
@@ -601,7 +603,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
             flush_acc(rows, acc32, dot_dv, acc, D, &w.acc_scale[hl * rows]);
         } else if (small_dot) {
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
-          small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const uint16_t* const*>(v_rows), n, next);
+          small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const SmallE* const*>(v_rows), n, next);
         } else
 #endif
         if (const Finite* const* v_fast = as_finite(v_rows, n))

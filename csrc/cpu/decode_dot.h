@@ -1,5 +1,6 @@
 // QK and PV of a tile by AVX-512 BF16 dot products (vdpbf16ps) for tasks of FEW rows per KV head
-// (decode: rows = the GQA group, 1..15), bf16 caches, isa_avx512_bf16 build only, never in
+// (decode: rows = the GQA group, 1..15), bf16 caches and fp8 caches under a bf16 query (widened
+// to bf16 exactly in registers, load_bf16x32), isa_avx512_bf16 build only, never in
 // batch-invariant mode (attention.h decides). bf16_dot.h's path re-lays the whole tile out
 // (keys transposed in 16 x 16 blocks), which costs as much as QK itself at 8 rows; here nothing
 // is re-laid out in memory:
@@ -18,6 +19,8 @@
 
 #include <cstdint>
 #include <type_traits>
+
+#include "convert.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 
@@ -50,17 +53,39 @@ PAGED_DECODE_INLINE __m512 hsum16(const __m512 v[16]) {
 
 PAGED_DECODE_INLINE __mmask32 column_mask(int D, int c) { return D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1; }
 
+// 32 cache elements from p (those of m; the rest 0) as bf16 pairs. E: uint16_t (a bf16 cache)
+// or an fp8 dtype, widened exactly in registers through fp16 (fp8 -> fp16 -> fp32 -> bf16 loses
+// nothing: 3 or 2 mantissa bits). e4m3fn is read as CacheRead's E4m3Half (its value / 2^8, which
+// the scales take back), NaN bytes (0x7F / 0xFF) included; e5m2 is the top byte of an fp16.
+template <typename E>
+PAGED_DECODE_INLINE __m512bh load_bf16x32(const E* p, __mmask32 m) {
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+  } else {
+    const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p)), 8);
+    __m512i half = high;  // e5m2: already the fp16
+    if constexpr (std::is_same_v<E, c10::Float8_e4m3fn>) {  // as vec8.h's E4m3Half
+      half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
+      const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(high, 1), _mm512_set1_epi16(int16_t(0xFE00)));
+      half = _mm512_mask_mov_epi16(half, nan, _mm512_or_si512(half, _mm512_set1_epi16(0x7C00)));
+    }
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+    const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
 // s[r][j] = scale * (q[r] . k[j]) for R rows (q: [R][D] bf16, row stride D) and the tile's n
 // tokens, 16 / R tokens per step (16 (row, token) vectors per reduction); P prefetches the next
 // tile's keys as the tokens go. Scores of tokens past n (up to the step's end) are of token n - 1:
 // finite, and masked by the softmax.
-template <int R, typename P>
-PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const uint16_t* const* k, int n, float scale, float* s, const P& next) {
+template <int R, typename E, typename P>
+PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const E* const* k, int n, float scale, float* s, const P& next) {
   static_assert(R == 1 || R == 2 || R == 4 || R == 8, "16 / R tokens per step");
   constexpr int T = 16 / R;
   const __m512 mul = _mm512_set1_ps(scale);
   for (int j0 = 0; j0 < n; j0 += T) {
-    const uint16_t* kj[T];
+    const E* kj[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) kj[t] = k[j0 + t < n ? j0 + t : n - 1];
     __m512 a[16];  // a[r * T + t]: row r, token j0 + t
@@ -78,7 +103,7 @@ PAGED_DECODE_INLINE void qk_small(const uint16_t* q, int D, const uint16_t* cons
         // here (decode at 1 thread: MHA and group 4 went from below the 8-lane path's rate to
         // about equal with it when the values moved to PV).
         if (c == 0) next.keys(j0 + t, 1);
-        const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, kj[t] + c);
+        const __m512bh kv = load_bf16x32(kj[t] + c, m);
   #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) a[r * T + t] = _mm512_dpbf16_ps(a[r * T + t], qv[r], kv);
       }
@@ -105,8 +130,8 @@ PAGED_DECODE_INLINE void add_columns(double* acc, __m512 x0, __m512 x1, int cols
 // prefetches the next tile's values.
 // 8 / R steps of 32 columns at once: 16 accumulators whatever R, so few rows still have
 // independent dot-product chains enough to hide their latency.
-template <int R, typename P>
-PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n, const P& next) {
+template <int R, typename E, typename P>
+PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const E* const* v, int n, const P& next) {
   static_assert(R == 1 || R == 2 || R == 4 || R == 8, "8 / R column steps at once");
   constexpr int C = 8 / R;
   // unpacklo/hi_epi16 of two rows leave, in lane 4L + i of the dot product, column 8L + i (lo)
@@ -132,8 +157,8 @@ PAGED_DECODE_INLINE void pv_small(double* acc, int D, const uint32_t* pb, const 
 #pragma GCC unroll 16
       for (int i = 0; i < C; ++i) {
         if (m[i] == 0) break;  // past the head's last column
-        const __m512i even = _mm512_maskz_loadu_epi16(m[i], v[2 * jp] + c0 + 32 * i);
-        const __m512i odd = has_odd ? _mm512_maskz_loadu_epi16(m[i], v[2 * jp + 1] + c0 + 32 * i) : _mm512_setzero_si512();
+        const __m512i even = (__m512i)load_bf16x32(v[2 * jp] + c0 + 32 * i, m[i]);
+        const __m512i odd = has_odd ? (__m512i)load_bf16x32(v[2 * jp + 1] + c0 + 32 * i, m[i]) : _mm512_setzero_si512();
         const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(even, odd), hi = (__m512bh)_mm512_unpackhi_epi16(even, odd);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
@@ -169,15 +194,15 @@ inline void for_small_rows(int64_t rows, F&& f) {
 // The entry points run_task calls for tasks of few rows (per KV head). q: [rows][D] bf16;
 // k / v: the tile's n rows of this KV head; s: [rows][32] fp32; pb: [rows][16] probability
 // pairs; acc: [rows][D] fp64. Only the first row block prefetches the next tile.
-template <typename P>
-inline void small_qk_rows(int64_t rows, const uint16_t* q, int D, const uint16_t* const* k, int n, float scale,
-                          float* s, const P& next) {
+template <typename E, typename P>
+inline void small_qk_rows(int64_t rows, const uint16_t* q, int D, const E* const* k, int n, float scale, float* s,
+                          const P& next) {
   for_small_rows(rows, [&](auto R, int64_t r) {
     qk_small<R>(q + size_t(r) * D, D, k, n, scale, s + size_t(r) * kSmallTileTokens, r == 0 ? next : P{});
   });
 }
-template <typename P>
-inline void small_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, const uint16_t* const* v, int n,
+template <typename E, typename P>
+inline void small_pv_rows(int64_t rows, double* acc, int D, const uint32_t* pb, const E* const* v, int n,
                           const P& next) {
   for_small_rows(rows, [&](auto R, int64_t r) {
     pv_small<R>(acc + size_t(r) * D, D, pb + size_t(r) * (kSmallTileTokens / 2), v, n, r == 0 ? next : P{});
