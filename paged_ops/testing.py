@@ -199,6 +199,22 @@ def make_variants(num_heads: int, *, softcap: float = 0.0, window_left: int = -1
     return kw
 
 
+def named_variants(num_heads: int, name: str, seed: int = 0) -> dict:
+    """One named set of decode/prefill keyword arguments ("plain", "softcap", "window", "sinks",
+    "alibi", "all"), as the cpu fast-path tests sweep them: the windows (45, 70 keys) end mid-tile,
+    the sinks (randn * 2) and slopes (rand * 0.1) are large enough to move every row."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "plain": {},
+        "softcap": dict(softcap=3.0),
+        "window": dict(window_left=45),
+        "sinks": dict(sinks=torch.randn(num_heads, generator=g) * 2),
+        "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
+        "all": dict(softcap=2.0, window_left=70, sinks=torch.randn(num_heads, generator=g),
+                    alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
+    }[name]
+
+
 def _reference_variants(variants: dict) -> dict:
     # The reference's keywords: tensors on the CPU; lse is the caller's output, not an input.
     return {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in variants.items()

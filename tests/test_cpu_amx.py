@@ -28,8 +28,7 @@ import pytest
 import torch
 
 import paged_ops  # noqa: F401  (loads torch.ops.paged_cpu)
-from paged_ops import reference
-from paged_ops.testing import assert_close, assert_lse_close, make_case, nan_like, poison, rel_err
+from paged_ops.testing import assert_close, assert_lse_close, make_case, named_variants, nan_like, poison, rel_err
 
 ops = torch.ops.paged_cpu
 BF16 = torch.bfloat16
@@ -57,30 +56,8 @@ def run(case, causal, kw, decode=False):
 
 
 def ref_rows(case, causal, kw, decode=False):
-    ref = torch.empty(case.query.shape, dtype=torch.float64)
-    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
-    kw = {k: v for k, v in kw.items() if k != "batch_invariant"}
-    if decode:
-        reference.decode_attention(ref, case.query.double(), case.key_cache, case.value_cache, case.block_tables,
-                                   case.seq_lens, case.scale, case.k_scale, case.v_scale, lse=lse, **kw)
-    else:
-        reference.prefill_attention(ref, case.query.double(), case.key_cache, case.value_cache, case.block_tables,
-                                    case.cu_seqlens_q, case.seq_lens, case.max_seqlen_q, case.scale, causal,
-                                    case.k_scale, case.v_scale, lse=lse, **kw)
-    return ref, lse
+    return case.reference_decode_lse(**kw) if decode else case.reference_prefill_lse(causal, **kw)
 
-
-def variants(num_heads, name, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "plain": {},
-        "softcap": dict(softcap=3.0),
-        "window": dict(window_left=45),
-        "sinks": dict(sinks=torch.randn(num_heads, generator=g) * 2),
-        "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
-        "all": dict(softcap=2.0, window_left=70, sinks=torch.randn(num_heads, generator=g),
-                    alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
-    }[name]
 
 
 # --- attention on the tiles ----------------------------------------------------------------------
@@ -120,7 +97,7 @@ def test_prefill_odd_head_sizes(amx, head_size):
 def test_prefill_variants_with_lse(amx, name, causal):
     case = make_case([150, 129], q_lens=[150, 64], num_heads=16, num_kv_heads=2, head_size=96, block_size=16,
                      dtype=BF16, seed=7)
-    kw = variants(16, name)
+    kw = named_variants(16, name)
     out, lse, dots = run(case, causal, kw)
     ref, ref_lse = ref_rows(case, causal, kw)
     assert dots > 0

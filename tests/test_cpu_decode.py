@@ -16,7 +16,7 @@ import torch
 
 import paged_ops  # noqa: F401  (loads torch.ops.paged_cpu)
 from paged_ops import reference
-from paged_ops.testing import assert_close, assert_lse_close, make_case, nan_like, poison, rel_err
+from paged_ops.testing import assert_close, assert_lse_close, make_case, named_variants, nan_like, poison, rel_err
 
 ops = torch.ops.paged_cpu
 BF16 = torch.bfloat16
@@ -53,11 +53,7 @@ def decode(case, kw, isa=None):
 
 
 def ref_decode(case, kw):
-    ref = torch.empty(case.query.shape, dtype=torch.float64)
-    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
-    reference.decode_attention(ref, case.query.double(), case.key_cache, case.value_cache, case.block_tables,
-                               case.seq_lens, case.scale, case.k_scale, case.v_scale, lse=lse, **kw)
-    return ref, lse
+    return case.reference_decode_lse(**kw)
 
 
 def check(case, kw, msg=""):
@@ -68,18 +64,6 @@ def check(case, kw, msg=""):
     assert_lse_close(lse, ref_lse, torch.float32, msg)
     return out
 
-
-def variants(num_heads, name, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "plain": {},
-        "softcap": dict(softcap=3.0),
-        "window": dict(window_left=45),
-        "sinks": dict(sinks=torch.randn(num_heads, generator=g) * 2),
-        "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
-        "all": dict(softcap=2.0, window_left=70, sinks=torch.randn(num_heads, generator=g),
-                    alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
-    }[name]
 
 
 @pytest.mark.parametrize("group", range(1, 17))
@@ -105,7 +89,7 @@ def test_block_sizes(bf16_isa, block_size, group):
 def test_variants(bf16_isa, name, group):
     case = make_case([300, 129, 40], num_heads=2 * group, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=BF16, seed=7 + group)
-    kw = variants(2 * group, name)
+    kw = named_variants(2 * group, name)
     out = check(case, kw, name)
     # The 8-lane build computes the same case within the same budget of the reference: the two
     # paths agree to the bf16 tolerance.
@@ -119,7 +103,7 @@ def test_split_and_unsplit(bf16_isa, two_threads, group, name):
     # One long sequence on 2 threads: its KV is split over tasks and merged (plan_tasks: fewer
     # tasks than threads want); 16 sequences: one task each, unsplit. Both long enough to run
     # in parallel (kMinParallelWork).
-    kw = variants(2 * group, name, seed=group)
+    kw = named_variants(2 * group, name, seed=group)
     for lens in ([4000], [600] * 16):
         case = make_case(lens, num_heads=2 * group, num_kv_heads=2, head_size=128, block_size=16, dtype=BF16,
                          seed=len(lens) + group)
@@ -199,7 +183,7 @@ def test_fp8_caches(bf16_isa, cache_dtype, scale_kind, group, head_size):
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_fp8_variants_split_and_nan(bf16_isa, two_threads, cache_dtype):
-    kw = variants(8, "all", seed=2)
+    kw = named_variants(8, "all", seed=2)
     for lens in ([3000], [300, 129, 40]):  # split over tasks, then not
         case = make_case(lens, num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=BF16,
                          cache_dtype=cache_dtype, seed=len(lens))
