@@ -393,15 +393,26 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   // task), but keys before lo_all are never read: no row sees them (see locate).
   const int64_t end = std::min(t.kv_end, hi_all + 1);
   const int64_t begin = end <= lo_all ? end : std::max(t.kv_begin, lo_all / kTileTokens * kTileTokens);
+#if defined(__AVX512BF16__)
+  // bf16 caches on this build, and fp8 caches under a bf16 query (widened to bf16 exactly in
+  // the re-layout): QK and PV by bf16 dot products (bf16_dot.h, decode_dot.h; see below),
+  // never in batch-invariant mode. Both read the query as it is (qb), never w.q.
+  constexpr bool kDotCache = std::is_same_v<CT, c10::BFloat16> || (is_fp8_v<CT> && std::is_same_v<QT, c10::BFloat16>);
+  const bool query_as_is = kDotCache && !p.batch_invariant;
+#else
+  constexpr bool query_as_is = false;
+#endif
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
     // k_scale folds into the query (and v_scale into the output): both are per KV head.
     const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
-      float* q = &w.q[(size_t(hl) * rows + r) * D];
-      to_float(query + token * p.q_stride_token + head * p.q_stride_head, q, D);
-      for (int d = 0; d < D; ++d) q[d] *= q_mul;
+      if (!query_as_is) {  // the fp32 query of the 8/16-lane QK (for_row_blocks)
+        float* q = &w.q[(size_t(hl) * rows + r) * D];
+        to_float(query + token * p.q_stride_token + head * p.q_stride_head, q, D);
+        for (int d = 0; d < D; ++d) q[d] *= q_mul;
+      }
       w.fold_m[hl * rows + r] = -std::numeric_limits<double>::infinity();
       w.fold_w[hl * rows + r] = 0.0;
     }
@@ -415,7 +426,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   // the re-layout): QK and PV by bf16 dot products (bf16_dot.h) when the task has rows enough
   // to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
   // Never in batch-invariant mode: there decode and prefill rows must share one code path.
-  constexpr bool kDotCache = std::is_same_v<CT, c10::BFloat16> || (is_fp8_v<CT> && std::is_same_v<QT, c10::BFloat16>);
+  // (kDotCache: above, with the query conversion it spares.)
   const bool dot = kDotCache && !p.batch_invariant && rows >= kMinDotRows;
   // Fewer rows (decode: the GQA group): bf16 dot products on the keys and values as they lie
   // (decode_dot.h), no re-layout to pay for.
