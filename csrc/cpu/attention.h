@@ -135,6 +135,15 @@ struct Scratch {
   }
 };
 
+// This thread's Scratch, kept across calls (OpenMP's threads persist), so a call does not page-
+// fault fresh buffers in. Bounded: vectors only grow, so it holds the largest task's scratch this
+// thread has run so far (per ISA build), never more. No task reads what it did not write first
+// (run_task zero-fills or overwrites each buffer it reads), as with tasks reusing it in one call.
+inline Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 // Keys a query row sees: [lo, hi] (reference.attention), p its position.
 struct RowRange {
   int64_t position, lo, hi;
@@ -782,7 +791,7 @@ void paged_attention(const AttentionParams& p) {
 
 #pragma omp parallel if (parallel)
   {
-    Scratch scratch;
+    Scratch& scratch = thread_scratch();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i)
       run_task<QT, CT>(p, tasks[i], scratch, partial.data(), part_lse.data());
