@@ -788,13 +788,25 @@ void paged_attention(const AttentionParams& p) {
   std::vector<float> partial(size_t(partial_rows) * p.head_size);
   std::vector<double> part_lse(partial_rows);
   const int64_t num_tasks = int64_t(tasks.size());
+  // Run largest first (keys walked x rows), so the dynamic schedule ends on small tasks: causal
+  // prefill's tiles grow along the sequence, and in plan order the last big tile ran alone.
+  // Only the order of running changes (tasks stays in plan order: merge_splits reads a tile's
+  // splits side by side); each task's bits are its own, batch-invariant mode included.
+  std::vector<int64_t> order(num_tasks);
+  for (int64_t i = 0; i < num_tasks; ++i) order[i] = i;
+  if (parallel)
+    std::stable_sort(order.begin(), order.end(), [&](int64_t i, int64_t j) {
+      const Task &a = tasks[i], &b = tasks[j];
+      return (a.kv_end - a.kv_begin) * (a.q_end - a.q_begin) * (a.kv_head_end - a.kv_head_begin) >
+             (b.kv_end - b.kv_begin) * (b.q_end - b.q_begin) * (b.kv_head_end - b.kv_head_begin);
+    });
 
 #pragma omp parallel if (parallel)
   {
     Scratch& scratch = thread_scratch();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < num_tasks; ++i)
-      run_task<QT, CT>(p, tasks[i], scratch, partial.data(), part_lse.data());
+      run_task<QT, CT>(p, tasks[order[i]], scratch, partial.data(), part_lse.data());
     if (partial_rows > 0) {
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < num_tasks; ++i)
