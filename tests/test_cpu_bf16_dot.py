@@ -133,6 +133,44 @@ def test_large_group_decode_takes_the_path_too(bf16_isa):
     assert_lse_close(lse, ref_lse, torch.float32)
 
 
+def test_scratch_kept_across_calls(bf16_isa):
+    # Each thread keeps its Scratch from call to call (the largest task's buffers so far): calls
+    # of other shapes, a NaN row, batch-invariant mode (the 8-lane path, which reads the fp32
+    # query the dot path never writes) and a split decode (the fold's accumulator) in turn, each
+    # against the reference, so no call can read what an earlier one left there.
+    big = make_case([300, 200], q_lens=[300, 150], num_heads=16, num_kv_heads=2, head_size=256, block_size=16,
+                    dtype=BF16, seed=21)
+    small = make_case([70, 45], q_lens=[70, 20], num_heads=6, num_kv_heads=3, head_size=40, block_size=16,
+                      dtype=BF16, seed=22)
+    nan_case = make_case([96], q_lens=[96], num_heads=8, num_kv_heads=1, head_size=256, block_size=16, dtype=BF16,
+                         seed=23)
+    nan_case.key_cache[int(nan_case.block_tables[0, 0]), 5, 0, 7] = float("nan")
+
+    def check_prefill(case, kw, causal=True):
+        out, lse = run(case, causal, kw)
+        ref, ref_lse = ref_rows(case, causal, kw)
+        nan_rows = ref.isnan().any(-1)
+        assert torch.equal(out.isnan().any(-1), nan_rows)
+        assert_close(out[~nan_rows].view(-1, case.query.shape[-1]), ref[~nan_rows].view(-1, case.query.shape[-1]), BF16)
+        assert_lse_close(lse[~nan_rows], ref_lse[~nan_rows], torch.float32)
+
+    for step in range(2):
+        check_prefill(big, {})
+        check_prefill(nan_case, {})
+        check_prefill(small, dict(window_left=30, sinks=torch.randn(6)))
+        check_prefill(big, dict(batch_invariant=True, softcap=4.0), causal=False)
+        check_prefill(small, {}, causal=False)
+        decode = make_case([3000], num_heads=16, num_kv_heads=1, head_size=128, block_size=16, dtype=BF16, seed=24 + step)
+        out, lse = nan_like(decode.query), poison(torch.empty(decode.query.shape[:2]))
+        ops.decode_attention(*decode.decode_args(out), lse=lse)
+        ref = torch.empty(decode.query.shape, dtype=torch.float64)
+        ref_lse = torch.empty(decode.query.shape[:2], dtype=torch.float64)
+        reference.decode_attention(ref, decode.query.double(), decode.key_cache, decode.value_cache, decode.block_tables,
+                                   decode.seq_lens, decode.scale, lse=ref_lse)
+        assert_close(out, ref, BF16)
+        assert_lse_close(lse, ref_lse, torch.float32)
+
+
 # fp8 caches under a bf16 query take the same path: each tile's rows widened to bf16 (exact for
 # both formats) before the re-layout, the k/v scales folded in as on the 8-lane path.
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
