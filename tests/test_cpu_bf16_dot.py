@@ -17,7 +17,7 @@ import torch
 
 import paged_ops  # noqa: F401  (loads torch.ops.paged_cpu)
 from paged_ops import reference
-from paged_ops.testing import assert_close, assert_lse_close, make_case, nan_like, poison, rel_err
+from paged_ops.testing import assert_close, assert_lse_close, make_case, named_variants, nan_like, poison, rel_err
 
 ops = torch.ops.paged_cpu
 BF16 = torch.bfloat16
@@ -45,25 +45,8 @@ def run(case, causal, kw, isa=None):
 
 
 def ref_rows(case, causal, kw):
-    ref = torch.empty(case.query.shape, dtype=torch.float64)
-    lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
-    reference.prefill_attention(ref, case.query.double(), case.key_cache, case.value_cache, case.block_tables,
-                                case.cu_seqlens_q, case.seq_lens, case.max_seqlen_q, case.scale, causal,
-                                case.k_scale, case.v_scale, lse=lse, **kw)
-    return ref, lse
+    return case.reference_prefill_lse(causal, **kw)
 
-
-def variants(num_heads, name, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "plain": {},
-        "softcap": dict(softcap=3.0),
-        "window": dict(window_left=45),
-        "sinks": dict(sinks=torch.randn(num_heads, generator=g) * 2),
-        "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
-        "all": dict(softcap=2.0, window_left=70, sinks=torch.randn(num_heads, generator=g),
-                    alibi_slopes=torch.rand(num_heads, generator=g) * 0.1),
-    }[name]
 
 
 @pytest.mark.parametrize("head_size", [8, 40, 72, 128, 256])
@@ -85,7 +68,7 @@ def test_head_sizes_and_tile_tails(bf16_isa, head_size, causal):
 def test_variants(bf16_isa, name, causal):
     case = make_case([300, 129], q_lens=[300, 64], num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=BF16, seed=7)
-    kw = variants(16, name)
+    kw = named_variants(16, name)
     out, lse = run(case, causal, kw)
     ref, ref_lse = ref_rows(case, causal, kw)
     assert_close(out, ref, BF16)
@@ -221,7 +204,7 @@ def test_fp8_caches_every_value(bf16_isa, fp8, scale_kind):
 def test_fp8_caches_with_variants_take_the_path(bf16_isa, fp8, head_size):
     case = make_case([300, 129], q_lens=[300, 64], num_heads=16, num_kv_heads=4, head_size=head_size, block_size=16,
                      dtype=BF16, cache_dtype=fp8, scale_kind="head", seed=head_size)
-    kw = variants(16, "all")
+    kw = named_variants(16, "all")
     out, lse = run(case, True, kw)
     ref, ref_lse = ref_rows(case, True, kw)
     assert_close(out, ref, BF16)
