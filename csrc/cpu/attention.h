@@ -249,20 +249,17 @@ struct Prefetch {
 
   // Inlined: called per token, as a call it cost a tenth of an MHA decode.
   __attribute__((always_inline)) void rows(int j, int count) const {
-    for (int i = j * per_step; i < std::min(n, (j + count) * per_step); ++i)
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        prefetch(reinterpret_cast<const char*>(k[i] + k_offset) + b);
-        prefetch(reinterpret_cast<const char*>(v[i] + v_offset) + b);
-      }
+    keys(j, count);
+    values(j, count);
   }
   // The keys / the values of the same rows alone (decode_dot.h spreads them over QK and PV).
-  __attribute__((always_inline)) void keys(int j, int count) const {
+  __attribute__((always_inline)) void keys(int j, int count) const { lines(k, k_offset, j, count); }
+  __attribute__((always_inline)) void values(int j, int count) const { lines(v, v_offset, j, count); }
+
+ private:
+  __attribute__((always_inline)) void lines(const CT* const* base, int64_t offset, int j, int count) const {
     for (int i = j * per_step; i < std::min(n, (j + count) * per_step); ++i)
-      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(reinterpret_cast<const char*>(k[i] + k_offset) + b);
-  }
-  __attribute__((always_inline)) void values(int j, int count) const {
-    for (int i = j * per_step; i < std::min(n, (j + count) * per_step); ++i)
-      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(reinterpret_cast<const char*>(v[i] + v_offset) + b);
+      for (int64_t b = 0; b < row_bytes; b += 64) prefetch(reinterpret_cast<const char*>(base[i] + offset) + b);
   }
 };
 
@@ -540,15 +537,15 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         float* m = &w.m[hl * rows];
         double* l = &w.l[hl * rows];
 #if defined(__AVX512BF16__)
+        // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
+        const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
         if (dot) {
           const uint16_t* widened[kTileTokens];  // fp8 caches: the rows widened to bf16 (in w.kw)
           transpose_keys(dot_rows<CT>(k_rows, n, D, w.kw.data(), widened), n, D, w.kt.data(), next);
           const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
-          const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
           dot_qk_rows(rows, qb, D / 2, w.kt.data(), q_mul, w.s.data());
         } else if (small_dot) {
           const uint16_t* qb = reinterpret_cast<const uint16_t*>(&w.qb[size_t(hl) * rows * D / 2]);
-          const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
           small_qk_rows(rows, qb, D, reinterpret_cast<const SmallE* const*>(k_rows), n, q_mul, w.s.data(), next);
         } else
 #endif

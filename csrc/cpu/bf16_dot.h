@@ -91,32 +91,44 @@ inline void transpose_keys(const uint16_t* const* k, int n, int D, uint32_t* kt,
     }
 }
 
+// The mask of the columns [c, min(c + 32, D)).
+inline __attribute__((always_inline)) __mmask32 column_mask(int D, int c) { return D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1; }
+
+// 32 cache elements from p (those of m; the rest 0) as bf16 pairs. E: uint16_t (a bf16 cache)
+// or an fp8 dtype, widened exactly in registers through fp16 (fp8 -> fp16 -> fp32 -> bf16 loses
+// nothing: 3 or 2 mantissa bits). e4m3fn is read as CacheRead's E4m3Half (its value / 2^8, which
+// the scales take back), NaN bytes (0x7F / 0xFF) included; e5m2 is the top byte of an fp16.
+template <typename E>
+inline __attribute__((always_inline)) __m512bh load_bf16x32(const E* p, __mmask32 m) {
+  if constexpr (std::is_same_v<E, uint16_t>) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
+  } else {
+    const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p)), 8);
+    __m512i half = high;  // e5m2: already the fp16
+    if constexpr (std::is_same_v<E, c10::Float8_e4m3fn>) {  // as vec8.h's E4m3Half
+      half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
+      const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(high, 1), _mm512_set1_epi16(int16_t(0xFE00)));
+      half = _mm512_mask_mov_epi16(half, nan, _mm512_or_si512(half, _mm512_set1_epi16(0x7C00)));
+    }
+    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
+    const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
 // fp8 caches (the query bf16): the tile's n rows widened to bf16 rows of D words in out, and
 // ptrs[j] pointing at them, for the re-layouts below. Exact: bf16's exponent range and 7
 // mantissa bits hold every e4m3fn and e5m2 value. Through fp16, as vec8.h reads them: e5m2 is
 // an fp16's top byte (infinities and NaN included); e4m3fn is read as its value / 2^8 (kUnit in
-// CacheRead, which the scales take back), 0x7F/0xFF a NaN. fp16 -> fp32 is exact (vcvtph2ps
-// widens fp16 subnormals, e4m3fn's small values / 2^8), and the fp32's top half is then the
-// bf16 with nothing cut (at most 3 mantissa bits).
+// CacheRead, which the scales take back), 0x7F/0xFF a NaN: load_bf16x32, the widening
+// decode_dot.h reads its tiles with.
 template <typename T>
 inline void widen_fp8_rows(const T* const* rows, int n, int D, uint16_t* out, const uint16_t** ptrs) {
   for (int j = 0; j < n; ++j) {
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(rows[j]);
     uint16_t* dst = out + size_t(j) * D;
     for (int c = 0; c < D; c += 32) {
-      const __mmask32 m = D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1;
-      const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, src + c)), 8);
-      __m512i half = high;  // e5m2
-      if constexpr (std::is_same_v<T, c10::Float8_e4m3fn>) {
-        // exponent and mantissa one bit down, the sign's copy out of the exponent's top bit
-        half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
-        const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(high, 1), _mm512_set1_epi16(int16_t(0xFE00)));
-        half = _mm512_mask_mov_epi16(half, nan, _mm512_or_si512(half, _mm512_set1_epi16(0x7C00)));
-      }
-      const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_castsi512_si256(half))), 16);
-      const __m512i hi = _mm512_srli_epi32(_mm512_castps_si512(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1))), 16);
-      const __m512i bf = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)), _mm512_cvtepi32_epi16(hi), 1);
-      _mm512_mask_storeu_epi16(dst + c, m, bf);
+      const __mmask32 m = column_mask(D, c);
+      _mm512_mask_storeu_epi16(dst + c, m, (__m512i)load_bf16x32(rows[j] + c, m));
     }
     ptrs[j] = dst;
   }
@@ -148,7 +160,7 @@ inline void interleave_values(const uint16_t* const* v, int n, int D, uint32_t* 
     const int j = 2 * jp;
     uint32_t* out = vp + size_t(jp) * DV;
     for (int c = 0; c < D; c += 32) {
-      const __mmask32 m = D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1;
+      const __mmask32 m = column_mask(D, c);
       const __m512i a = j < n ? _mm512_maskz_loadu_epi16(m, v[j] + c) : _mm512_setzero_si512();
       const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(m, v[j + 1] + c) : _mm512_setzero_si512();
       _mm512_storeu_si512(out + c, _mm512_permutex2var_epi16(a, lo, b));

@@ -1,6 +1,6 @@
 // QK and PV of a tile by AVX-512 BF16 dot products (vdpbf16ps) for tasks of FEW rows per KV head
 // (decode: rows = the GQA group, 1..15), bf16 caches and fp8 caches under a bf16 query (widened
-// to bf16 exactly in registers, load_bf16x32), isa_avx512_bf16 build only, never in
+// to bf16 exactly in registers, bf16_dot.h's load_bf16x32), isa_avx512_bf16 build only, never in
 // batch-invariant mode (attention.h decides). bf16_dot.h's path re-lays the whole tile out
 // (keys transposed in 16 x 16 blocks), which costs as much as QK itself at 8 rows; here nothing
 // is re-laid out in memory:
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "bf16_dot.h"  // column_mask, load_bf16x32
 #include "convert.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {
@@ -49,30 +50,6 @@ PAGED_DECODE_INLINE __m512 hsum16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], 0xdd));
   // 128-bit lane L: the totals of v4L .. v4L+3
   return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
-}
-
-PAGED_DECODE_INLINE __mmask32 column_mask(int D, int c) { return D - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (D - c)) - 1; }
-
-// 32 cache elements from p (those of m; the rest 0) as bf16 pairs. E: uint16_t (a bf16 cache)
-// or an fp8 dtype, widened exactly in registers through fp16 (fp8 -> fp16 -> fp32 -> bf16 loses
-// nothing: 3 or 2 mantissa bits). e4m3fn is read as CacheRead's E4m3Half (its value / 2^8, which
-// the scales take back), NaN bytes (0x7F / 0xFF) included; e5m2 is the top byte of an fp16.
-template <typename E>
-PAGED_DECODE_INLINE __m512bh load_bf16x32(const E* p, __mmask32 m) {
-  if constexpr (std::is_same_v<E, uint16_t>) {
-    return (__m512bh)_mm512_maskz_loadu_epi16(m, p);
-  } else {
-    const __m512i high = _mm512_slli_epi16(_mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(m, p)), 8);
-    __m512i half = high;  // e5m2: already the fp16
-    if constexpr (std::is_same_v<E, c10::Float8_e4m3fn>) {  // as vec8.h's E4m3Half
-      half = _mm512_and_si512(_mm512_srai_epi16(high, 1), _mm512_set1_epi16(int16_t(0xBFFF)));
-      const __mmask32 nan = _mm512_cmpeq_epi16_mask(_mm512_slli_epi16(high, 1), _mm512_set1_epi16(int16_t(0xFE00)));
-      half = _mm512_mask_mov_epi16(half, nan, _mm512_or_si512(half, _mm512_set1_epi16(0x7C00)));
-    }
-    const __m512 lo = _mm512_cvtph_ps(_mm512_castsi512_si256(half));
-    const __m512 hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(half, 1));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-  }
 }
 
 // s[r][j] = scale * (q[r] . k[j]) for R rows (q: [R][D] bf16, row stride D) and the tile's n
