@@ -22,10 +22,11 @@
 // logit soft-cap (0: none), sliding window (-1: none), per-head sinks and ALiBi slopes (float32
 // [num_heads]), the rows' log-sum-exp out (float32 [num_tokens, num_heads]), and the
 // batch-invariant mode (bitwise results independent of the rest of the batch; the public op also
-// turns it on inside paged_ops.batch_invariant() and with PAGED_OPS_BATCH_INVARIANT=1).
+// turns it on inside paged_ops.batch_invariant() and with PAGED_OPS_BATCH_INVARIANT=1), and the
+// right edge of a sliding window (-1: none; FlashAttention's local attention without causal).
 #define PAGED_OPS_SCHEMA_ATTENTION_VARIANTS                                                    \
   "*, float softcap=0.0, int window_left=-1, Tensor? sinks=None, Tensor? alibi_slopes=None, "  \
-  "Tensor(b!)? lse=None, bool batch_invariant=False"
+  "Tensor(b!)? lse=None, bool batch_invariant=False, int window_right=-1"
 #define PAGED_OPS_SCHEMA_DECODE_ATTENTION                                                      \
   "decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "      \
   "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale=None, "                  \
@@ -46,12 +47,17 @@
 #define PAGED_OPS_SCHEMA_MERGE_ATTENTION_STATES                                                       \
   "merge_attention_states(Tensor(a!) out, Tensor(b!)? out_lse, Tensor prefix_out, Tensor prefix_lse, " \
   "Tensor suffix_out, Tensor suffix_lse) -> ()"
+// N-way merge (split-KV, context parallelism): states [num_tokens, num_states, num_heads, head_size],
+// states_lse [num_tokens, num_states, num_heads].
+#define PAGED_OPS_SCHEMA_MERGE_STATES \
+  "merge_states(Tensor(a!) out, Tensor(b!)? out_lse, Tensor states, Tensor states_lse) -> ()"
 
 #define PAGED_OPS_DEFINE_SCHEMAS(m)              \
   m.def(PAGED_OPS_SCHEMA_RESHAPE_AND_CACHE);     \
   m.def(PAGED_OPS_SCHEMA_DECODE_ATTENTION);      \
   m.def(PAGED_OPS_SCHEMA_PREFILL_ATTENTION);     \
   m.def(PAGED_OPS_SCHEMA_MERGE_ATTENTION_STATES); \
+  m.def(PAGED_OPS_SCHEMA_MERGE_STATES);          \
   m.def(PAGED_OPS_SCHEMA_QUANTIZE_FP8);          \
   m.def(PAGED_OPS_SCHEMA_DEQUANTIZE_FP8);        \
   m.def(PAGED_OPS_SCHEMA_COPY_BLOCKS);           \

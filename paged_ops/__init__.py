@@ -30,29 +30,37 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                      k_scale=None, v_scale=None, *, softcap=0.0, window_left=-1, sinks=None,
-                     alibi_slopes=None, lse=None, batch_invariant=False) -> None:
+                     alibi_slopes=None, lse=None, batch_invariant=False, window_right=-1) -> None:
     """One query token per sequence; specification: ``paged_ops.reference.decode_attention``
     (the keyword-only variants: ``paged_ops.reference.attention``)."""
     torch.ops.paged.decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                      scale, k_scale, v_scale, softcap=softcap, window_left=window_left,
                                      sinks=sinks, alibi_slopes=alibi_slopes, lse=lse,
-                                     batch_invariant=batch_invariant)
+                                     batch_invariant=batch_invariant, window_right=window_right)
 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, scale, causal=True, k_scale=None, v_scale=None, *, softcap=0.0,
-                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False) -> None:
+                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False,
+                      window_right=-1) -> None:
     """Varlen paged attention; specification: ``paged_ops.reference.prefill_attention``."""
     torch.ops.paged.prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
                                       seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale,
                                       softcap=softcap, window_left=window_left, sinks=sinks,
-                                      alibi_slopes=alibi_slopes, lse=lse, batch_invariant=batch_invariant)
+                                      alibi_slopes=alibi_slopes, lse=lse, batch_invariant=batch_invariant,
+                                      window_right=window_right)
 
 
 def merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse) -> None:
     """Attention over two disjoint key sets from attention over each (their ``out`` and ``lse``);
     specification: ``paged_ops.reference.merge_attention_states``."""
     torch.ops.paged.merge_attention_states(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse)
+
+
+def merge_states(out, out_lse, states, states_lse) -> None:
+    """Attention over N disjoint key sets from attention over each (split-KV, context parallelism);
+    specification: ``paged_ops.reference.merge_states``."""
+    torch.ops.paged.merge_states(out, out_lse, states, states_lse)
 
 
 def quantize_fp8(out, input, scale) -> None:

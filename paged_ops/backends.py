@@ -30,7 +30,7 @@ import torch
 from . import _C
 
 OPS = ("reshape_and_cache", "decode_attention", "prefill_attention", "merge_attention_states",
-       "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks")
+       "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks")
 
 # Index order is the C++ side's (csrc/public/select.h); names, in that order, are the
 # available_backends() order.
@@ -139,25 +139,44 @@ def use_backend(name: str):
         _FORCED.reset(token)
 
 
-@contextlib.contextmanager
-def batch_invariant(enabled: bool = True):
-    """Inside the block, this thread's ``decode_attention`` / ``prefill_attention`` calls run in
-    the batch-invariant mode (``enabled=False``: out of it, even with
-    ``PAGED_OPS_BATCH_INVARIANT=1``): every row's ``out`` and ``lse`` are bitwise the same
-    whatever else is in the batch, whatever the thread count, and whether the row comes from a
-    decode or from a prefill of any q_len (``paged_ops.reference.prefill_attention``). Blocks
-    nest (the innermost wins); a call's own ``batch_invariant=True`` always turns it on.
+# batch_invariant's mode (1 on, 0 off, None: no block, PAGED_OPS_BATCH_INVARIANT decides). Like
+# _FORCED, the C++ op reads it only while some batch_invariant block is open (counted by
+# _C._add_batch_invariant_blocks); with none open the op path runs no Python.
+_BATCH_INVARIANT: contextvars.ContextVar[int | None] = contextvars.ContextVar("paged_ops_batch_invariant",
+                                                                               default=None)
+_C._set_batch_invariant_var(_BATCH_INVARIANT)
 
-    The flag is a C++ thread-local the op reads per call, so it holds for the whole block on
-    this thread and never reaches other threads; unlike ``use_backend`` it does not follow
-    asyncio tasks (tasks on one thread share it). Compiled code called inside the block runs in
-    the mode (the flag is read when the op runs); the block itself cannot be inside a function
-    ``torch.compile`` traces (a graph break; pass ``batch_invariant=True`` to the op there)."""
-    previous = _C._swap_batch_invariant(1 if enabled else 0)
+
+def batch_invariant(enabled: bool = True):
+    """Inside the block, this thread's and this asyncio task's ``decode_attention`` /
+    ``prefill_attention`` calls run in the batch-invariant mode (``enabled=False``: out of it,
+    even with ``PAGED_OPS_BATCH_INVARIANT=1``): every row's ``out`` and ``lse`` are bitwise the
+    same whatever else is in the batch, whatever the thread count, and whether the row comes from
+    a decode or from a prefill of any q_len (``paged_ops.reference.prefill_attention``). Blocks
+    nest (the innermost wins); a call's own ``batch_invariant=True`` always turns it on.
+    ``enabled`` must be a ``bool`` (``TypeError`` otherwise, before the block opens).
+
+    The mode is a ``contextvars.ContextVar``, like ``use_backend``'s: it holds for the whole
+    block on this thread and in this asyncio task (tasks started inside inherit it, other tasks
+    on the thread do not see it) and never reaches threads started meanwhile. Compiled code
+    called inside the block runs in the mode (it is read when the op runs); the block itself
+    cannot be inside a function ``torch.compile`` traces (a graph break; pass
+    ``batch_invariant=True`` to the op there)."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"paged_ops.batch_invariant(enabled): enabled must be a bool (True / False), "
+                        f"got {type(enabled).__name__}")
+    return _batch_invariant_block(1 if enabled else 0)
+
+
+@contextlib.contextmanager
+def _batch_invariant_block(state: int):
+    token = _BATCH_INVARIANT.set(state)
+    _C._add_batch_invariant_blocks(1)
     try:
         yield
     finally:
-        _C._swap_batch_invariant(previous)
+        _C._add_batch_invariant_blocks(-1)
+        _BATCH_INVARIANT.reset(token)
 
 
 def selected_backend(device_type: str) -> str:
@@ -174,7 +193,7 @@ def _device_of(op: str, args) -> torch.device:
         return args[0][0].device
     if op == "swap_blocks":  # a GPU<->CPU swap belongs to the GPU's side
         return args[1].device if args[0].device.type == "cpu" else args[0].device
-    return args[0].device if op in ("reshape_and_cache", "merge_attention_states") else args[1].device
+    return args[0].device if op in ("reshape_and_cache", "merge_attention_states", "merge_states") else args[1].device
 
 
 def _triton_kernel(op: str) -> Callable:

@@ -20,13 +20,14 @@ namespace {
 using ReshapeSig = void(const Tensor&, const Tensor&, Tensor&, Tensor&, const Tensor&, const OptTensor&,
                         const OptTensor&);
 // The attention ops end in the variant parameters (csrc/attention_variants.h).
-#define VARIANT_TYPES double, int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool
+#define VARIANT_TYPES double, int64_t, const OptTensor&, const OptTensor&, const OptTensor&, bool, int64_t
 using DecodeSig = void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, double,
                        const OptTensor&, const OptTensor&, VARIANT_TYPES);
 using PrefillSig = void(Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                         const Tensor&, c10::SymInt, double, bool, const OptTensor&, const OptTensor&, VARIANT_TYPES);
 #undef VARIANT_TYPES
 using MergeSig = void(Tensor&, const OptTensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using MergeStatesSig = void(Tensor&, const OptTensor&, const Tensor&, const Tensor&);
 using Fp8Sig = void(Tensor&, const Tensor&, const Tensor&);
 using CopySig = void(at::TensorList, at::TensorList, const Tensor&);
 using SwapSig = void(const Tensor&, Tensor&, const Tensor&);
@@ -75,6 +76,8 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
   check_decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale);
   check_attention_variants(out, query, PAGED_OPS_VARIANT_ARGS);
+  check_attention_outputs_apart(out, lse, query, key_cache, value_cache, block_tables, seq_lens, std::nullopt,
+                                k_scale, v_scale, sinks, alibi_slopes);
   const int backend = select_backend(out.device());
   if (query.numel() == 0) return;
   batch_invariant = batch_invariant_mode(batch_invariant);
@@ -90,6 +93,8 @@ void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache
   check_prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                           max_seqlen_q.guard_int(__FILE__, __LINE__), k_scale, v_scale);
   check_attention_variants(out, query, PAGED_OPS_VARIANT_ARGS);
+  check_attention_outputs_apart(out, lse, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
+                                k_scale, v_scale, sinks, alibi_slopes);
   const int backend = select_backend(out.device());
   if (query.numel() == 0) return;
   batch_invariant = batch_invariant_mode(batch_invariant);
@@ -105,6 +110,14 @@ void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor&
   if (out.numel() == 0 && !(out_lse && out_lse->numel())) return;
   static const BackendOps<MergeSig> ops("merge_attention_states");
   ops[backend].call(out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
+}
+
+void merge_states(Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse) {
+  check_merge_states(out, out_lse, states, states_lse);
+  const int backend = select_backend(out.device());
+  if (out.numel() == 0 && !(out_lse && out_lse->numel())) return;
+  static const BackendOps<MergeStatesSig> ops("merge_states");
+  ops[backend].call(out, out_lse, states, states_lse);
 }
 
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
@@ -150,6 +163,7 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   m.impl("decode_attention", &paged::api::decode_attention);      \
   m.impl("prefill_attention", &paged::api::prefill_attention);    \
   m.impl("merge_attention_states", &paged::api::merge_attention_states); \
+  m.impl("merge_states", &paged::api::merge_states);              \
   m.impl("quantize_fp8", &paged::api::quantize_fp8);              \
   m.impl("dequantize_fp8", &paged::api::dequantize_fp8);          \
   m.impl("copy_blocks", &paged::api::copy_blocks);                \

@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <iterator>
+#include <numeric>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -87,6 +89,68 @@ bool reads_contents(const Tensor& t) { return t.is_cpu() || content_checks_force
 // t itself on the CPU (no copy); a host copy otherwise.
 Tensor host(const Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
 
+// ---- outputs apart from inputs ---------------------------------------------------------------
+// Whether two tensors may share a byte. Exact for the layouts callers use: disjoint byte spans;
+// both dense (each fills its span); or strided views whose rows (the contiguous last dimension)
+// fall into disjoint residues modulo the gcd of all their outer strides, as the two halves
+// [..., :D] and [..., D:] of one [..., 2 * D] cache (vLLM's layout) do. Anything else whose
+// spans intersect counts as an overlap: a false alarm there costs a copy, a missed one garbage.
+bool memory_overlaps(const Tensor& a, const Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) return false;
+  if (!a.storage().is_alias_of(b.storage())) return false;
+  const auto base = reinterpret_cast<intptr_t>(a.storage().data());
+  struct Layout {
+    int64_t begin, end, row_bytes;  // bytes from the storage's start; a row: the last dimension
+  };
+  int64_t gcd = 0;
+  const auto layout = [&](const Tensor& t) {
+    const int64_t e = int64_t(t.element_size());
+    int64_t last = 0;  // element offset of the last element from the first (strides >= 0 here)
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::max<int64_t>(t.stride(d), 0);
+    const int64_t begin = int64_t(reinterpret_cast<intptr_t>(t.const_data_ptr()) - base);
+    const int64_t row = t.dim() == 0 ? 1 : t.size(-1);
+    const int64_t row_stride = t.dim() == 0 ? 1 : t.stride(-1);
+    for (int64_t d = 0; d + 1 < t.dim(); ++d)
+      if (t.size(d) > 1 && t.stride(d) > 0) gcd = std::gcd(gcd, t.stride(d) * e);
+    return Layout{begin, begin + (last + 1) * e, row_stride == 1 || row == 1 ? row * e : -1};
+  };
+  const Layout la = layout(a), lb = layout(b);
+  if (la.end <= lb.begin || lb.end <= la.begin) return false;
+  if (a.is_non_overlapping_and_dense() && b.is_non_overlapping_and_dense()) return true;
+  if (la.row_bytes < 0 || lb.row_bytes < 0 || gcd == 0 || la.row_bytes > gcd || lb.row_bytes > gcd) return true;
+  // Rows of a start at residues [ra, ra + row_bytes) modulo gcd, rows of b at [rb, rb + row_bytes).
+  const int64_t ra = la.begin % gcd, rb = lb.begin % gcd;
+  const auto meets = [&](int64_t r0, int64_t n0, int64_t r1, int64_t n1) {  // does [r0, r0+n0) meet r1's?
+    const int64_t d = ((r1 - r0) % gcd + gcd) % gcd;  // r1's distance after r0, modulo gcd
+    return d < n0 || gcd - d < n1;
+  };
+  return meets(ra, la.row_bytes, rb, lb.row_bytes);
+}
+
+// A named argument of an op; tensor null when an optional one is absent.
+struct Named {
+  const char* name;
+  const Tensor* tensor;
+};
+const Tensor* opt(const OptTensor& t) { return t ? &*t : nullptr; }
+
+// Each output apart from every input and from the other outputs: the kernels read their inputs
+// while they write (and may write in any order), so an overlap gives garbage, or a crash when
+// an index tensor is overwritten, without an error (torch's assert_no_overlap rule).
+void check_outputs_apart(std::initializer_list<Named> outputs, std::initializer_list<Named> inputs) {
+  for (auto o = outputs.begin(); o != outputs.end(); ++o) {
+    if (o->tensor == nullptr) continue;
+    for (const Named& i : inputs)
+      if (i.tensor != nullptr)
+        TORCH_CHECK_VALUE(!memory_overlaps(*o->tensor, *i.tensor), o->name, " overlaps ", i.name,
+                          " in memory; an output must not share memory with an input (use a separate buffer)");
+    for (auto o2 = std::next(o); o2 != outputs.end(); ++o2)
+      if (o2->tensor != nullptr)
+        TORCH_CHECK_VALUE(!memory_overlaps(*o->tensor, *o2->tensor), o->name, " overlaps ", o2->name,
+                          " in memory; two outputs must not share memory");
+  }
+}
+
 void check_ndim(const char* name, const Tensor& t, int64_t ndim) {
   TORCH_CHECK_VALUE(t.dim() == ndim, name, " must have ", ndim, " dimensions, got shape ", shape_str(t.sizes()));
 }
@@ -149,8 +213,11 @@ void check_caches(const Tensor& key_cache, const Tensor& value_cache) {
   check_cache_sizes("key_cache", key_cache);
 }
 
+// fp8 scales: 1 element (per tensor), 1-D [num_kv_heads] (per KV head) or, where the op has
+// sequences (num_seqs >= 0), 2-D [num_seqs, num_kv_heads] (per sequence and KV head); K and V each
+// their own form (paged::scale_strides reads them).
 void check_scales(ScalarType cache_dtype, int64_t num_kv_heads, const c10::Device& device, const OptTensor& k_scale,
-                  const OptTensor& v_scale) {
+                  const OptTensor& v_scale, int64_t num_seqs = -1) {
   if (!is_fp8(cache_dtype)) {
     TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(),
                       "k_scale/v_scale are only for fp8 caches; the cache dtype is ", dtype_str(cache_dtype));
@@ -161,11 +228,17 @@ void check_scales(ScalarType cache_dtype, int64_t num_kv_heads, const c10::Devic
     check_dtype(name, **s, {at::kFloat});
     check_device(name, **s, device);
     TORCH_CHECK_VALUE((*s)->is_contiguous(), name, " must be contiguous");
-    const int64_t n = (*s)->numel();
-    TORCH_CHECK_VALUE(n == 1 || n == num_kv_heads, name, " must have 1 (per tensor) or num_kv_heads=", num_kv_heads,
-                      " (per head) elements, got ", n);
+    const Tensor& t = **s;
+    const bool per_tensor = t.numel() == 1;
+    const bool per_head = t.dim() == 1 && t.size(0) == num_kv_heads;
+    const bool per_seq = num_seqs >= 0 && t.dim() == 2 && t.size(0) == num_seqs && t.size(1) == num_kv_heads;
+    TORCH_CHECK_VALUE(per_tensor || per_head || per_seq, name, " must have 1 element (per tensor), shape (",
+                      num_kv_heads, ",) (per KV head)",
+                      num_seqs >= 0 ? " or shape (num_seqs, num_kv_heads) = (" + std::to_string(num_seqs) + ", " +
+                                          std::to_string(num_kv_heads) + ") (per sequence and KV head)"
+                                    : std::string(),
+                      ", got shape ", shape_str(t.sizes()));
   }
-  TORCH_CHECK_VALUE(k_scale->numel() == v_scale->numel(), "k_scale and v_scale must both be per tensor or both per head");
 }
 
 void check_query_out(const Tensor& out, const Tensor& query, const Tensor& key_cache) {
@@ -301,6 +374,9 @@ void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tenso
   TORCH_CHECK_VALUE(slot_mapping.size(0) == key.size(0), "slot_mapping has ", slot_mapping.size(0),
                     " entries but key has ", key.size(0), " tokens");
   check_scales(key_cache.scalar_type(), num_kv_heads, device, k_scale, v_scale);
+  check_outputs_apart({{"key_cache", &key_cache}, {"value_cache", &value_cache}},
+                      {{"key", &key}, {"value", &value}, {"slot_mapping", &slot_mapping},
+                       {"k_scale", opt(k_scale)}, {"v_scale", opt(v_scale)}});
   if (slot_mapping.numel() == 0 || !reads_contents(slot_mapping)) return;
   const Tensor slots_h = host(slot_mapping);
   const int64_t* slots = slots_h.const_data_ptr<int64_t>();
@@ -314,14 +390,10 @@ void check_decode_attention(const Tensor& out, const Tensor& query, const Tensor
                             const OptTensor& k_scale, const OptTensor& v_scale) {
   check_caches(key_cache, value_cache);
   check_query_out(out, query, key_cache);
-  check_scales(key_cache.scalar_type(), key_cache.size(2), key_cache.device(), k_scale, v_scale);
+  check_scales(key_cache.scalar_type(), key_cache.size(2), key_cache.device(), k_scale, v_scale, query.size(0));
+  // seq_lens 0 is allowed (a padded slot): the row sees no key (reference.attention's empty row).
   check_block_tables(block_tables, seq_lens, query.size(0), key_cache.size(0), key_cache.size(1),
                      key_cache.device());
-  if (query.size(0) == 0 || !reads_contents(seq_lens)) return;
-  const Tensor lens_h = host(seq_lens);
-  const int32_t* lens = lens_h.const_data_ptr<int32_t>();
-  TORCH_CHECK_VALUE(*std::min_element(lens, lens + seq_lens.numel()) >= 1,
-                    "seq_lens must be >= 1 for decode (each query token attends to itself)");
 }
 
 void check_prefill_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
@@ -331,10 +403,10 @@ void check_prefill_attention(const Tensor& out, const Tensor& query, const Tenso
   check_caches(key_cache, value_cache);
   check_query_out(out, query, key_cache);
   const c10::Device device = key_cache.device();
-  check_scales(key_cache.scalar_type(), key_cache.size(2), device, k_scale, v_scale);
   check_index_tensor("cu_seqlens_q", cu_seqlens_q, at::kInt, 1, device);
   const int64_t num_seqs = cu_seqlens_q.size(0) - 1;
   TORCH_CHECK_VALUE(num_seqs >= 0, "cu_seqlens_q must have num_seqs + 1 entries");
+  check_scales(key_cache.scalar_type(), key_cache.size(2), device, k_scale, v_scale, num_seqs);
   check_block_tables(block_tables, seq_lens, num_seqs, key_cache.size(0), key_cache.size(1), device);
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q=", max_seqlen_q, " must be >= 0");
   check_fits("the longest query length", max_seqlen_q, "max_seqlen_q");
@@ -350,14 +422,8 @@ void check_prefill_attention(const Tensor& out, const Tensor& query, const Tenso
     TORCH_CHECK_VALUE(q_len >= 0, "cu_seqlens_q must be non-decreasing");
     longest = std::max(longest, q_len);
   }
-  if (num_seqs == 0) return;
-  const Tensor lens_h = host(seq_lens);
-  const int32_t* lens = lens_h.const_data_ptr<int32_t>();
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    TORCH_CHECK_VALUE(int64_t(cu[s + 1]) - cu[s] <= lens[s],
-                      "each sequence's query length (from cu_seqlens_q) must be <= its seq_len: "
-                      "seq_lens count the new tokens, whose K/V must already be in the cache");
-  }
+  // q_len > seq_len is allowed: under causal alignment the first rows sit before the first key
+  // and see none (reference.attention's empty row: out 0, lse -inf).
   TORCH_CHECK_VALUE(max_seqlen_q >= longest, "max_seqlen_q=", max_seqlen_q, " is smaller than the longest query (",
                     longest, ")");
 }
@@ -367,6 +433,7 @@ void check_quantize_fp8(const Tensor& out, const Tensor& input, const Tensor& sc
   check_dtype("out", out, kFp8);
   check_device("out", out, input.device());
   check_fp8_pair(out, input, scale);
+  check_outputs_apart({{"out", &out}}, {{"input", &input}, {"scale", &scale}});
 }
 
 void check_dequantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale) {
@@ -374,6 +441,7 @@ void check_dequantize_fp8(const Tensor& out, const Tensor& input, const Tensor& 
   check_dtype("out", out, kFloat);
   check_device("out", out, input.device());
   check_fp8_pair(out, input, scale);
+  check_outputs_apart({{"out", &out}}, {{"input", &input}, {"scale", &scale}});
 }
 
 void check_copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const Tensor& block_mapping) {
@@ -400,6 +468,13 @@ void check_copy_blocks(at::TensorList key_caches, at::TensorList value_caches, c
     check_fits("head_size (shape[3])", value_caches[i].size(3), v_name);
   }
   check_block_mapping(block_mapping, device, num_blocks, num_blocks, true);
+  // The caches are read and written (cache[dst] = cache[src]); the mapping only read.
+  for (size_t i = 0; i < key_caches.size(); ++i) {
+    const std::string k_name = "key_caches[" + std::to_string(i) + "]";
+    const std::string v_name = "value_caches[" + std::to_string(i) + "]";
+    check_outputs_apart({{k_name.c_str(), &key_caches[i]}}, {{"block_mapping", &block_mapping}});
+    check_outputs_apart({{v_name.c_str(), &value_caches[i]}}, {{"block_mapping", &block_mapping}});
+  }
 }
 
 void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block_mapping) {
@@ -415,51 +490,25 @@ void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block
   check_dtype("block_mapping", block_mapping, {at::kLong});
   TORCH_CHECK_VALUE(block_mapping.is_cpu(), "block_mapping must be on the CPU, not ", block_mapping.device());
   check_block_mapping(block_mapping, c10::Device(c10::kCPU), src.size(0), dst.size(0), false);
+  check_outputs_apart({{"dst", &dst}}, {{"src", &src}, {"block_mapping", &block_mapping}});
 }
 
 }  // namespace paged::api
 
 namespace paged::api {
 
-namespace {
-
-// Whether two tensors' memory ranges intersect (conservative for interleaved strided views,
-// which no caller has a reason to pass as an output and an input at once).
-bool memory_overlaps(const Tensor& a, const Tensor& b) {
-  if (a.numel() == 0 || b.numel() == 0 || !a.has_storage() || !b.has_storage()) return false;
-  if (!a.storage().is_alias_of(b.storage())) return false;
-  const auto span = [](const Tensor& t) {
-    int64_t last = 0;  // element offset of the last element from the first (strides >= 0 here)
-    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * std::max<int64_t>(t.stride(d), 0);
-    const auto* begin = static_cast<const char*>(t.const_data_ptr());
-    return std::pair{begin, begin + (last + 1) * int64_t(t.element_size())};
-  };
-  const auto [a0, a1] = span(a);
-  const auto [b0, b1] = span(b);
-  return a0 < b1 && b0 < a1;
-}
-
-// An output must not share memory with another argument: the kernels read their inputs while
-// writing (and may write out in any order), so an overlap gives garbage without an error.
-void check_no_overlap(const char* output_name, const Tensor& output, const char* other_name, const Tensor& other) {
-  TORCH_CHECK_VALUE(!memory_overlaps(output, other), output_name, " overlaps ", other_name,
-                    " in memory; it must be a separate buffer");
-}
-
-}  // namespace
-
 void check_attention_variants(const Tensor& out, const Tensor& query, double softcap, int64_t window_left,
                               const OptTensor& sinks, const OptTensor& alibi_slopes, const OptTensor& lse,
-                              bool /*batch_invariant*/) {
-  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0, "softcap=", softcap,
-                    " must be >= 0 and finite (0: no soft-cap)");
-  // The kernels hold it in a float: a value that rounds to 0 there would silently mean "no cap",
-  // one that rounds to inf would make every score inf * tanh(0) = NaN.
-  const float softcap_f = static_cast<float>(softcap);
-  TORCH_CHECK_VALUE(softcap == 0 || (softcap_f >= std::numeric_limits<float>::min() && std::isfinite(softcap_f)),
-                    "softcap=", softcap, " is outside float32's normal range (the kernels compute in float32)");
+                              bool /*batch_invariant*/, int64_t window_right) {
+  // The kernels hold it in a float and scale scores by 1 / softcap and by softcap * log2(e): a
+  // value that rounds to 0 there would silently mean "no cap", one near float32's largest value
+  // overflows those products to inf and every score to NaN. [2^-126, 2^126] keeps both finite.
+  TORCH_CHECK_VALUE(softcap == 0 || (softcap >= 0x1p-126 && softcap <= 0x1p126), "softcap=", softcap,
+                    " must be 0 (no soft-cap) or within [2^-126, 2^126] (the kernels compute in float32)");
   TORCH_CHECK_VALUE(window_left >= -1, "window_left=", window_left,
                     " must be >= -1 (-1: no window; w >= 0: a query sees itself and the w keys before it)");
+  TORCH_CHECK_VALUE(window_right >= -1, "window_right=", window_right,
+                    " must be >= -1 (-1: no limit; w >= 0: a query sees at most the w keys after it)");
   const c10::Device device = query.device();
   const int64_t num_tokens = query.size(0), num_heads = query.size(1);
   for (auto [name, t] : {std::pair<const char*, const OptTensor*>{"sinks", &sinks}, {"alibi_slopes", &alibi_slopes}}) {
@@ -469,17 +518,32 @@ void check_attention_variants(const Tensor& out, const Tensor& query, double sof
                       (*t)->size(0));
     TORCH_CHECK_VALUE((*t)->is_contiguous(), name, " must be contiguous");
   }
+  // Sinks may be +-inf or NaN (reference.attention defines them); a slope times a distance has
+  // no such meaning (inf * 0 on the diagonal), so slopes must be finite: a content check.
+  if (alibi_slopes && reads_contents(*alibi_slopes)) {
+    const Tensor slopes_h = host(*alibi_slopes);
+    const float* slope = slopes_h.const_data_ptr<float>();
+    for (int64_t h = 0; h < num_heads; ++h)
+      TORCH_CHECK_VALUE(std::isfinite(slope[h]), "alibi_slopes[", h, "] = ", slope[h], " must be finite");
+  }
   if (lse.has_value()) {
     check_tensor("lse", *lse, 2, {at::kFloat}, device);
     TORCH_CHECK_VALUE(lse->size(0) == num_tokens && lse->size(1) == num_heads, "lse shape ",
                       shape_str(lse->sizes()), " must be (num_tokens, num_heads) = (", num_tokens, ", ", num_heads,
                       ")");
     TORCH_CHECK_VALUE(lse->is_contiguous(), "lse must be contiguous");
-    check_no_overlap("lse", *lse, "out", out);
-    check_no_overlap("lse", *lse, "query", query);
-    if (sinks) check_no_overlap("lse", *lse, "sinks", *sinks);
-    if (alibi_slopes) check_no_overlap("lse", *lse, "alibi_slopes", *alibi_slopes);
   }
+}
+
+void check_attention_outputs_apart(const Tensor& out, const OptTensor& lse, const Tensor& query,
+                                   const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+                                   const Tensor& seq_lens, const OptTensor& cu_seqlens_q, const OptTensor& k_scale,
+                                   const OptTensor& v_scale, const OptTensor& sinks, const OptTensor& alibi_slopes) {
+  check_outputs_apart({{"out", &out}, {"lse", opt(lse)}},
+                      {{"query", &query}, {"key_cache", &key_cache}, {"value_cache", &value_cache},
+                       {"block_tables", &block_tables}, {"seq_lens", &seq_lens},
+                       {"cu_seqlens_q", opt(cu_seqlens_q)}, {"k_scale", opt(k_scale)}, {"v_scale", opt(v_scale)},
+                       {"sinks", opt(sinks)}, {"alibi_slopes", opt(alibi_slopes)}});
 }
 
 void check_merge_attention_states(const Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
@@ -506,15 +570,46 @@ void check_merge_attention_states(const Tensor& out, const OptTensor& out_lse, c
                       out.size(1), ")");
     TORCH_CHECK_VALUE(t->is_contiguous(), name, " must be contiguous");
   }
-  // Outputs apart from the inputs and from each other (no in-place merge: a kernel may write a
-  // row's out before it has read all of that row's inputs).
-  const std::pair<const char*, const Tensor*> inputs[] = {
-      {"prefix_out", &prefix_out}, {"prefix_lse", &prefix_lse}, {"suffix_out", &suffix_out}, {"suffix_lse", &suffix_lse}};
-  for (auto [name, t] : inputs) {
-    check_no_overlap("out", out, name, *t);
-    if (out_lse) check_no_overlap("out_lse", *out_lse, name, *t);
+  // No in-place merge: a kernel may write a row's out before it has read all of that row's inputs.
+  check_outputs_apart({{"out", &out}, {"out_lse", opt(out_lse)}},
+                      {{"prefix_out", &prefix_out}, {"prefix_lse", &prefix_lse}, {"suffix_out", &suffix_out},
+                       {"suffix_lse", &suffix_lse}});
+}
+
+void check_merge_states(const Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse) {
+  const c10::Device device = out.device();
+  check_tensor("out", out, 3, kFloat, device);
+  check_unit_stride("out", out);
+  check_tensor("states", states, 4, {out.scalar_type()}, device);
+  check_unit_stride("states", states);
+  const int64_t num_tokens = out.size(0), num_heads = out.size(1), head_size = out.size(2);
+  const int64_t num_states = states.size(1);
+  TORCH_CHECK_VALUE(states.size(0) == num_tokens && states.size(2) == num_heads && states.size(3) == head_size,
+                    "states shape ", shape_str(states.sizes()),
+                    " must be (num_tokens, num_states, num_heads, head_size) with out's (", num_tokens, ", ",
+                    num_heads, ", ", head_size, ")");
+  check_tensor("states_lse", states_lse, 3, {at::kFloat}, device);
+  TORCH_CHECK_VALUE(states_lse.size(0) == num_tokens && states_lse.size(1) == num_states &&
+                        states_lse.size(2) == num_heads,
+                    "states_lse shape ", shape_str(states_lse.sizes()),
+                    " must be (num_tokens, num_states, num_heads) = (", num_tokens, ", ", num_states, ", ",
+                    num_heads, ")");
+  for (auto [name, t] : {std::pair<const char*, const Tensor*>{"states", &states}, {"states_lse", &states_lse}})
+    for (int64_t d = 0; d < t->dim(); ++d)
+      TORCH_CHECK_VALUE(t->stride(d) >= 0, name, " must not have negative strides");
+  for (auto [what, n] : {std::pair<const char*, int64_t>{"num_tokens (shape[0])", num_tokens},
+                         {"num_heads (shape[1])", num_heads}, {"head_size (shape[2])", head_size}})
+    check_fits(what, n, "out");
+  check_fits("num_states (shape[1])", num_states, "states");
+  if (out_lse) {
+    check_tensor("out_lse", *out_lse, 2, {at::kFloat}, device);
+    TORCH_CHECK_VALUE(out_lse->size(0) == num_tokens && out_lse->size(1) == num_heads, "out_lse shape ",
+                      shape_str(out_lse->sizes()), " must be (num_tokens, num_heads) = (", num_tokens, ", ",
+                      num_heads, ")");
+    TORCH_CHECK_VALUE(out_lse->is_contiguous(), "out_lse must be contiguous");
   }
-  if (out_lse) check_no_overlap("out_lse", *out_lse, "out", out);
+  check_outputs_apart({{"out", &out}, {"out_lse", opt(out_lse)}},
+                      {{"states", &states}, {"states_lse", &states_lse}});
 }
 
 }  // namespace paged::api

@@ -27,14 +27,22 @@ void check_prefill_attention(const Tensor& out, const Tensor& query, const Tenso
                              const Tensor& cu_seqlens_q, const Tensor& seq_lens,
                              int64_t max_seqlen_q, const OptTensor& k_scale,
                              const OptTensor& v_scale);
-// The keyword-only variant arguments of both attention ops (csrc/attention_variants.h); lse must
-// not overlap out, query, sinks or alibi_slopes.
+// The keyword-only variant arguments of both attention ops (csrc/attention_variants.h).
 void check_attention_variants(const Tensor& out, const Tensor& query, double softcap, int64_t window_left,
                               const OptTensor& sinks, const OptTensor& alibi_slopes, const OptTensor& lse,
-                              bool batch_invariant);
+                              bool batch_invariant, int64_t window_right);
+// The attention ops' outputs (out, lse) apart from every input and from each other
+// (cu_seqlens_q: prefill only).
+void check_attention_outputs_apart(const Tensor& out, const OptTensor& lse, const Tensor& query,
+                                   const Tensor& key_cache, const Tensor& value_cache, const Tensor& block_tables,
+                                   const Tensor& seq_lens, const OptTensor& cu_seqlens_q, const OptTensor& k_scale,
+                                   const OptTensor& v_scale, const OptTensor& sinks, const OptTensor& alibi_slopes);
 // Shapes/dtypes/devices of merge_attention_states; its outputs must not overlap any input or each other.
 void check_merge_attention_states(const Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
                                   const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse);
+// merge_states: states [num_tokens, num_states, num_heads, head_size], states_lse
+// [num_tokens, num_states, num_heads]; outputs apart from the inputs and each other.
+void check_merge_states(const Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse);
 void check_quantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale);
 void check_dequantize_fp8(const Tensor& out, const Tensor& input, const Tensor& scale);
 void check_copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
