@@ -29,8 +29,9 @@ import torch
 
 from . import reference
 
-__all__ = ["TOLERANCE", "FP8_DTYPES", "GARBAGE_BLOCK_ID", "rel_err", "assert_close", "assert_lse_close",
+__all__ = ["TOLERANCE", "FP8_DTYPES", "GARBAGE_BLOCK_ID", "SCALE_KINDS", "rel_err", "assert_close", "assert_lse_close",
            "assert_bits_equal", "bits", "poison", "nan_like", "empty_cache", "random_tensor", "fp8_scales",
+           "sequence_scale",
            "ragged_lens", "alibi_slopes", "make_variants", "PagedCase", "make_case"]
 
 # Relative L2 error of an output against the float64 reference, by the query dtype.
@@ -143,18 +144,29 @@ def random_tensor(shape, dtype: torch.dtype, generator: torch.Generator, device=
     return x.to(device=device, dtype=dtype)
 
 
+SCALE_KINDS = ("tensor", "head", "seq", "head/tensor", "tensor/seq")
+
+
 def fp8_scales(cache_dtype: torch.dtype, num_kv_heads: int, scale_kind: str = "tensor",
-               generator: torch.Generator | None = None, device="cpu"):
-    """(k_scale, v_scale): float32 with 1 element (scale_kind "tensor") or num_kv_heads ("head"),
-    in [0.01, 0.06) so that standard-normal K/V use the fp8 range (outliers saturate); (None,
-    None) for a cache that is not fp8."""
+               generator: torch.Generator | None = None, device="cpu", num_seqs: int = 1):
+    """(k_scale, v_scale): float32 in [0.01, 0.06), so that standard-normal K/V use the fp8 range
+    (outliers saturate); (None, None) for a cache that is not fp8. scale_kind: "tensor" (1
+    element), "head" ([num_kv_heads]), "seq" ([num_seqs, num_kv_heads], the attention ops only),
+    or "K/V" with two of those (e.g. "head/tensor": per-head K, per-tensor V)."""
     if cache_dtype not in FP8_DTYPES:
         return None, None
-    if scale_kind not in ("tensor", "head"):
-        raise ValueError(f"scale_kind must be 'tensor' or 'head', got {scale_kind!r}")
-    n = 1 if scale_kind == "tensor" else num_kv_heads
+    if scale_kind not in SCALE_KINDS:
+        raise ValueError(f"scale_kind must be one of {SCALE_KINDS}, got {scale_kind!r}")
+    kinds = scale_kind.split("/") if "/" in scale_kind else [scale_kind] * 2
+    shapes = {"tensor": (1,), "head": (num_kv_heads,), "seq": (num_seqs, num_kv_heads)}
     g = generator or torch.Generator().manual_seed(0)
-    return tuple((torch.rand(n, generator=g) * 0.05 + 0.01).float().to(device) for _ in range(2))
+    return tuple((torch.rand(shapes[k], generator=g) * 0.05 + 0.01).float().to(device) for k in kinds)
+
+
+def sequence_scale(scale: torch.Tensor | None, s: int) -> torch.Tensor | None:
+    """Sequence s's scale (what reshape_and_cache takes for its tokens): row s of a
+    ``[num_seqs, num_kv_heads]`` scale, else the scale itself."""
+    return scale[s] if scale is not None and scale.dim() == 2 else scale
 
 
 def ragged_lens(block_size: int) -> list[int]:
@@ -277,6 +289,34 @@ class PagedCase:
         return (out, self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens,
                 self.scale, self.k_scale, self.v_scale)
 
+    def hidden_tokens(self, causal=True, window_left=-1, window_right=-1) -> list[torch.Tensor]:
+        """Per sequence, int64 positions of the cached tokens none of its query rows sees."""
+        hidden = []
+        for s, (q_len, n) in enumerate(zip(self.q_lens, self.seq_lens.tolist())):
+            seen = reference.visible_keys(q_len, n, causal, window_left, window_right).any(0)
+            hidden.append((~seen).nonzero().flatten())
+        return hidden
+
+    def poison_hidden(self, causal=True, window_left=-1, window_right=-1, value=math.inf, **_) -> int:
+        """Store ``value`` (inf; NaN in e4m3fn, which has no inf) in K and V of every cached token
+        no query row of its sequence sees (outside a window, after all causal rows): a kernel that
+        multiplies such a value by a probability of 0 instead of leaving it out turns rows NaN.
+        Extra keywords (the other variants) are ignored. Returns the number of tokens poisoned."""
+        count = 0
+        block_size = self.key_cache.shape[1]
+        for s, positions in enumerate(self.hidden_tokens(causal, window_left, window_right)):
+            if positions.numel() == 0:
+                continue
+            blocks = self.block_tables[s].cpu().long()[positions // block_size].to(self.device)
+            offsets = (positions % block_size).to(self.device)
+            for cache in (self.key_cache, self.value_cache):
+                if cache.dtype == torch.float8_e4m3fn:
+                    cache.view(torch.uint8)[blocks, offsets] = 0x7F
+                else:
+                    cache[blocks, offsets] = value
+            count += positions.numel()
+        return count
+
     def new_out(self) -> torch.Tensor:
         """A NaN-filled output like the query."""
         return nan_like(self.query)
@@ -330,10 +370,11 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
               spare_columns=1) -> PagedCase:
     """A random paged batch (see the module docstring).
 
-    seq_lens: cached tokens per sequence (>= 1 for decode; the new tokens of a prefill included).
-    q_lens: query tokens per sequence, 0 <= q_len <= seq_len (default 1 each: decode).
-    cache_dtype: the query dtype (default) or an fp8 dtype, with scales per tensor
-    (scale_kind "tensor") or per KV head ("head").
+    seq_lens: cached tokens per sequence (the new tokens of a prefill included; 0 allowed).
+    q_lens: query tokens per sequence, >= 0 (default 1 each: decode); q_len > seq_len makes rows
+    that see no key (causal).
+    cache_dtype: the query dtype (default) or an fp8 dtype, with scales as ``fp8_scales``'s
+    scale_kind says (per tensor, per KV head, per sequence and KV head, K and V apart).
     layout: "NHD" or "HND" (the cache allocated head-major and permuted to the contract's view).
     spare_blocks: blocks no table reaches (an int, or a float: that fraction of the used blocks).
     spare_columns: block-table columns past the longest sequence (garbage ids).
@@ -345,8 +386,8 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
     q_lens = [1] * len(seq_lens) if q_lens is None else [int(n) for n in q_lens]
     if len(q_lens) != len(seq_lens):
         raise ValueError(f"q_lens has {len(q_lens)} entries, seq_lens {len(seq_lens)}")
-    if any(not 0 <= q <= n for q, n in zip(q_lens, seq_lens)):
-        raise ValueError(f"need 0 <= q_len <= seq_len, got q_lens {q_lens}, seq_lens {seq_lens}")
+    if any(q < 0 or n < 0 for q, n in zip(q_lens, seq_lens)):
+        raise ValueError(f"need q_len >= 0 and seq_len >= 0, got q_lens {q_lens}, seq_lens {seq_lens}")
     cache_dtype = cache_dtype or dtype
     device = torch.device(device)
     # Poisoned cases draw on the CPU (the same numbers on every device); pools drawn on the device
@@ -367,18 +408,21 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
     for s, n in enumerate(blocks_per_seq):
         block_tables[s, :n] = perm[taken:taken + n]
         taken += n
-    k_scale, v_scale = fp8_scales(cache_dtype, num_kv_heads, scale_kind, g_cpu)
+    k_scale, v_scale = fp8_scales(cache_dtype, num_kv_heads, scale_kind, g_cpu, num_seqs=len(seq_lens))
 
     if poison_unused:
         kc = empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout)
         vc = empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout)
         slots = [block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
                  for s, n in enumerate(seq_lens)]
+        starts = [0, *torch.tensor([len(x) for x in slots], dtype=torch.long).cumsum(0).tolist()]
         slots = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
         k = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
         v = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
-        _store(k, kc, slots, k_scale)
-        _store(v, vc, slots, v_scale)
+        for s in range(len(seq_lens)):  # each sequence with its own scale (per-sequence scales)
+            mine = slice(starts[s], starts[s + 1])
+            _store(k[mine], kc, slots[mine], sequence_scale(k_scale, s))
+            _store(v[mine], vc, slots[mine], sequence_scale(v_scale, s))
         kc, vc = kc.to(device), vc.to(device)
     else:
         shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"

@@ -42,6 +42,9 @@ def op_samples():
                                    (torch.empty(3, 2, 64, dtype=torch.bfloat16), None,
                                     torch.randn(3, 2, 64).bfloat16(), torch.randn(3, 2), torch.randn(3, 2, 64).bfloat16(),
                                     torch.randn(3, 2))],
+        "merge_states": [(torch.empty(4, 2, 64), torch.empty(4, 2), torch.randn(4, 3, 2, 64), torch.randn(4, 3, 2)),
+                         (torch.empty(3, 2, 64, dtype=torch.float16), None,
+                          torch.randn(5, 3, 2, 64).half().transpose(0, 1), torch.randn(5, 3, 2).transpose(0, 1))],
         "quantize_fp8": [(torch.empty(4, 64, dtype=torch.float8_e5m2), x, torch.tensor([0.5]))],
         "dequantize_fp8": [(torch.empty(4, 64), x.to(torch.float8_e4m3fn), torch.tensor([0.5]))],
         "copy_blocks": [(kcs, vcs, torch.tensor([[0, 3], [1, 4]]))],
@@ -154,14 +157,11 @@ def bad_inputs():
     yield "seq_len beyond table", "seq_lens", lambda: torch.ops.paged.decode_attention(
         dout, d.query, d.key_cache, d.value_cache, d.block_tables, torch.tensor([3, 1000], dtype=torch.int32),
         d.scale, None, None)
-    yield "seq_len zero in decode", "seq_lens", lambda: torch.ops.paged.decode_attention(
-        dout, d.query, d.key_cache, d.value_cache, d.block_tables, torch.tensor([0, 3], dtype=torch.int32),
+    yield "negative seq_len in decode", "seq_lens", lambda: torch.ops.paged.decode_attention(
+        dout, d.query, d.key_cache, d.value_cache, d.block_tables, torch.tensor([-1, 3], dtype=torch.int32),
         d.scale, None, None)
     yield "block_tables dtype", "block_tables", lambda: torch.ops.paged.decode_attention(
         dout, d.query, d.key_cache, d.value_cache, d.block_tables.long(), d.seq_lens, d.scale, None, None)
-    yield "q_len > seq_len", "seq_len", lambda: torch.ops.paged.prefill_attention(
-        out, c.query, kc, vc, c.block_tables, c.cu_seqlens_q, torch.tensor([5, 2], dtype=torch.int32),
-        c.max_seqlen_q, c.scale, True, None, None)
     yield "cu_seqlens end", "cu_seqlens_q", lambda: torch.ops.paged.prefill_attention(
         out, c.query, kc, vc, c.block_tables, torch.tensor([0, 5, 7], dtype=torch.int32), c.seq_lens,
         c.max_seqlen_q, c.scale, True, None, None)
@@ -219,14 +219,15 @@ PYTHON_VALIDATOR_MESSAGES = {
     'unsupported head size': 'key_cache: head_size 12 is not supported (must be a multiple of 8, at most 256)',
     'block id outside cache': 'block_tables holds a block id outside the cache [0, 7): min 0, max 10000',
     'seq_len beyond table': 'seq_lens max 1000 exceeds what block_tables covers (4 blocks x block_size 8 = 32)',
-    'seq_len zero in decode': 'seq_lens must be >= 1 for decode (each query token attends to itself)',
+    'negative seq_len in decode': 'seq_lens must be >= 0',
     'block_tables dtype': "block_tables has dtype torch.int64; expected one of ['torch.int32']",
-    'q_len > seq_len': "each sequence's query length (from cu_seqlens_q) must be <= its seq_len: seq_lens count the new tokens, whose K/V must already be in the cache",
     'cu_seqlens end': 'cu_seqlens_q must start at 0 and end at total_q_tokens=8, got 0..7',
     'max_seqlen_q too small': 'max_seqlen_q=1 is smaller than the longest query (5)',
     'fp8 cache without scales': 'k_scale is required for an fp8 (torch.float8_e5m2) cache',
     'scales on a float cache': 'k_scale/v_scale are only for fp8 caches; the cache dtype is torch.float32',
-    'per-head scale size': 'k_scale must have 1 (per tensor) or num_kv_heads=2 (per head) elements, got 3',
+    # #27 item 9: per-sequence scales joined the forms (and K and V may differ).
+    'per-head scale size': 'k_scale must have 1 element (per tensor), shape (2,) (per KV head) or shape '
+                           '(num_seqs, num_kv_heads) = (2, 2) (per sequence and KV head), got shape (3,)',
     'slot outside cache': 'slot_mapping holds slot 56, outside the cache (7 blocks x 8 slots)',
     'slot_mapping dtype': "slot_mapping has dtype torch.int32; expected one of ['torch.int64']",
     'key/cache kv heads': 'key is [num_tokens, 4, 64] but the cache holds [num_kv_heads=2, head_size=64]',

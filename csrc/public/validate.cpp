@@ -146,7 +146,7 @@ void check_outputs_apart(std::initializer_list<Named> outputs, std::initializer_
                           " in memory; an output must not share memory with an input (use a separate buffer)");
     for (auto o2 = std::next(o); o2 != outputs.end(); ++o2)
       if (o2->tensor != nullptr)
-        TORCH_CHECK_VALUE(!memory_overlaps(*o->tensor, *o2->tensor), o->name, " overlaps ", o2->name,
+        TORCH_CHECK_VALUE(!memory_overlaps(*o->tensor, *o2->tensor), o2->name, " overlaps ", o->name,
                           " in memory; two outputs must not share memory");
   }
 }
