@@ -31,10 +31,11 @@ def _untuned_configs(monkeypatch, tmp_path):
 
 
 def params(*axes):
-    """Every backend with every combination of the axes."""
+    """Every backend with every combination of the axes (an axis of tuples adds several
+    parameters at once)."""
     combos = [()]
     for axis in axes:
-        combos = [(*c, v) for c in combos for v in axis]
+        combos = [(*c, *(v if isinstance(v, tuple) else (v,))) for c in combos for v in axis]
     return [(b, *c) for b in BACKENDS for c in combos]
 
 
@@ -402,9 +403,9 @@ def overlapping_calls():
     def prefill(case, **changes):
         args = dict(zip(("out", "query", "key_cache", "value_cache", "block_tables", "cu_seqlens_q", "seq_lens",
                          "max_seqlen_q", "scale", "causal", "k_scale", "v_scale"), case.prefill_args(nan_like(case.query))))
-        lse = changes.pop("lse", None)
+        keywords = {k: changes.pop(k) for k in ("lse", "sinks") if k in changes}
         args.update(changes)
-        return lambda: torch.ops.paged.prefill_attention(*args.values(), lse=lse)
+        return lambda: torch.ops.paged.prefill_attention(*args.values(), **keywords)
 
     for name in ("block_tables", "seq_lens", "cu_seqlens_q", "query", "key_cache", "value_cache"):
         view, lse = lse_over(getattr(c, name))
@@ -440,14 +441,15 @@ def overlapping_calls():
         key, value, kc, kc, slots, None, None)
     x = torch.randn(4, 64)
     yield "quantize out over input", ("out", "input"), lambda: torch.ops.paged.quantize_fp8(
-        x.view(torch.uint8)[:, :64].view(E5M2), x, torch.tensor([0.5]))
+        x.view(-1).view(torch.uint8)[:256].view(E5M2).view(4, 64), x, torch.tensor([0.5]))
     y = torch.randn(4, 64).to(E4M3)
     ybuf = torch.zeros(4 * 64 * 4, dtype=torch.uint8)
     ybuf[:256].view(E4M3).view(4, 64).copy_(y)
     yield "dequantize out over input", ("out", "input"), lambda: torch.ops.paged.dequantize_fp8(
         ybuf.view(torch.float32).view(4, 64), ybuf[:256].view(E4M3).view(4, 64), torch.tensor([0.5]))
     caches = torch.randn(6, 8, 2, 64)
-    mapping = caches.view(-1)[:4].view(torch.int64).view(2, 2)
+    mapping = caches.view(-1)[:8].view(torch.int64).view(2, 2)
+    mapping.copy_(torch.tensor([[0, 3], [1, 4]]))  # valid pairs, stored in block 0 of the cache
     yield "copy_blocks cache over block_mapping", ("key_caches\\[0\\]", "block_mapping"), \
         lambda: torch.ops.paged.copy_blocks([caches], [torch.randn(6, 8, 2, 64)], mapping)
     src = torch.randn(6, 8, 2, 64)
