@@ -6,12 +6,19 @@ import torch
 
 from .sampling_params import SamplingParams
 
+_FLOAT64_MAX = torch.finfo(torch.float64).max
+
 
 def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int],
                     params: SamplingParams) -> torch.Tensor:
     """vLLM's penalties on logits [vocab]: repetition_penalty on every token seen in the prompt or
     the output (positive logits divided, negative ones multiplied), then frequency_penalty x the
-    token's count in the output and presence_penalty once per token present in the output."""
+    token's count in the output and presence_penalty once per token present in the output.
+
+    Computed in float64 and saturated at its largest finite values, as any repetition_penalty > 0
+    is valid: 1e-300 is 0 in float32 and made every seen positive logit inf (then softmax nan),
+    while in float64 they keep their order (the limit: the strongest seen token wins)."""
+    logits = logits.double()
     vocab = logits.shape[-1]
     counts = torch.bincount(torch.tensor(output_ids, dtype=torch.int64), minlength=vocab)[:vocab].to(logits)
     if params.repetition_penalty != 1.0:
@@ -19,12 +26,14 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         seen[torch.tensor(prompt_ids, dtype=torch.int64)] = True
         penalized = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
         logits = torch.where(seen.to(logits.device), penalized, logits)
-    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits)
+    logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits)
+    return logits.clamp(-_FLOAT64_MAX, _FLOAT64_MAX)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask to -inf every logit outside the top_k largest and outside the smallest set whose
-    probability reaches top_p. logits: [vocab]."""
+    probability reaches top_p; the most likely token always stays (vLLM's rule), so a top_p too
+    small to reach (1e-300 is 0 against float32 probabilities) keeps just it. logits: [vocab]."""
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -32,6 +41,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
         sorted_logits, order = logits.sort(descending=True)
         probs = sorted_logits.softmax(-1)
         drop = probs.cumsum(-1) - probs >= top_p  # keep tokens until the mass before them reaches top_p
+        drop[0] = False
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     return logits
 
@@ -59,10 +69,12 @@ def greedy(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token id from one row of (already penalized) logits [vocab] (float32)."""
+    """One token id from one row of (already penalized) logits [vocab] (float32, or float64 after
+    apply_penalties). The row is shifted to a maximum of 0 first (softmax does not change), so
+    dividing by the temperature can only push logits towards -inf, never to inf or nan."""
     if params.greedy:
         return int(logits.argmax())
-    logits = apply_min_p(logits / params.temperature, params.min_p)
+    logits = apply_min_p((logits - logits.max()) / params.temperature, params.min_p)
     logits = apply_top_k_top_p(logits, params.top_k, params.top_p)
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
 

@@ -1,0 +1,104 @@
+"""Requests that passed admission and failed late (issue #27 item 8). Each one now gets a
+ValueError naming the argument at admission, or is sampled safely, or ends only itself: the
+other requests go on and the block pool is whole afterwards. Parallel samples (n) fork within
+max_num_seqs."""
+import pytest
+import torch
+
+import engine.llm_engine as llm_engine
+from engine import LLM, SamplingParams
+from engine.sampler import apply_penalties, apply_top_k_top_p, sample
+from tests.engine_fixtures import save_tiny_checkpoint
+
+VOCAB = 128  # save_tiny_checkpoint's
+MAX_NUM_SEQS = 4
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], list(range(20, 31))]
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama"))
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(ckpt, num_kv_blocks=64, block_size=4, max_num_seqs=MAX_NUM_SEQS)
+
+
+@pytest.fixture(scope="module")
+def expected(llm):
+    """Greedy tokens of each prompt, run alone."""
+    return [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def assert_all_free(llm):
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert llm.scheduler.is_finished() and not llm.llm_engine.requests
+
+
+def run_with_one_bad(llm, expected, bad: SamplingParams):
+    """generate the prompts with bad as the middle request's params: the others must come out as
+    when run alone. Returns the bad request's output."""
+    outs = llm.generate(PROMPTS, [GREEDY, bad, GREEDY])
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [expected[0], expected[2]]
+    assert_all_free(llm)
+    return outs[1]
+
+
+# ---- tiny top_p and repetition_penalty sample without inf / nan -----------------------------
+LOGITS = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-50, 1e-9])
+def test_tiny_top_p_keeps_only_the_most_likely_token(top_p):
+    """top_p below float32's smallest number compared as 0 against the probability mass before
+    each token, which dropped every token: "probability tensor contains inf/nan"."""
+    assert torch.isfinite(apply_top_k_top_p(LOGITS, 0, top_p)).nonzero().flatten().tolist() == [1]
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    assert [sample(LOGITS, params, g) for _ in range(20)] == [1] * 20
+
+
+def test_tiny_top_p_in_the_engine_is_greedy(llm, expected):
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_p=1e-300, seed=3, max_tokens=4, ignore_eos=True))
+    assert [o.error for o in outs] == [None] * 3
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-30])
+def test_tiny_repetition_penalty_picks_the_strongest_seen_token(penalty):
+    """Positive logits of seen tokens divided by ~0 overflowed float32 to inf (1e-300 is 0 in
+    float32): "probability tensor contains inf/nan". Its limit: the seen token of the largest
+    positive logit, in sampling as in greedy."""
+    logits = torch.tensor([1.0, 2.0, 3.0, -1.0, 0.5])
+    penalized = apply_penalties(logits, [0, 1, 3], [4], SamplingParams(repetition_penalty=penalty))
+    assert not penalized.isnan().any() and not penalized.isposinf().any()
+    assert int(penalized.argmax()) == 1
+    g = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(temperature=1.0, repetition_penalty=penalty),
+                   SamplingParams(temperature=0.5, top_p=0.9, min_p=0.1, repetition_penalty=penalty),
+                   SamplingParams(temperature=0, repetition_penalty=penalty)):
+        assert [sample(penalized, params, g) for _ in range(20)] == [1] * 20
+
+
+def test_huge_penalties_stay_finite():
+    """The other end: a huge repetition_penalty times a negative logit, on every token."""
+    logits = torch.tensor([-1.0, -2.0, -3.0])
+    penalized = apply_penalties(logits, [0, 1, 2], [], SamplingParams(repetition_penalty=1e300))
+    assert not penalized.isnan().any()
+    g = torch.Generator().manual_seed(0)
+    assert [sample(penalized, SamplingParams(temperature=1.0), g) for _ in range(5)] == [0] * 5  # the least negative
+
+
+def test_tiny_repetition_penalty_in_the_engine(llm, expected):
+    def params(temperature):
+        return SamplingParams(temperature=temperature, repetition_penalty=1e-300, seed=1, max_tokens=6,
+                              ignore_eos=True)
+    for temperature in (1.0, 0.0):
+        out = run_with_one_bad(llm, expected, params(temperature))
+        assert out.error is None and out.outputs[0].finish_reason == "length"
+        assert len(out.outputs[0].token_ids) == 6
+
