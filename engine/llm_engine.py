@@ -116,6 +116,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = dataclasses.replace(params or SamplingParams())  # validated again, and our own copy
+        self._check_params(params)
         text, ids = self._prompt_ids(prompt)
         req = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
                       else None)
@@ -123,6 +124,13 @@ class LLMEngine:
         self.requests[request_id] = req  # nothing above touched the engine's state
         self.scheduler.add(seq)
         self.stats.prompt_tokens += len(ids)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: its token ids against the model's vocabulary
+        (stop_token_ids out of it failed mid-generation once min_tokens banned them)."""
+        vocab = self.runner.config.vocab_size
+        if outside := [t for t in params.stop_token_ids if t >= vocab]:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {outside}")
 
     def _new_seq(self, req: Request, ids: list[int], index: int, parent: Sequence | None = None) -> Sequence:
         p = req.params

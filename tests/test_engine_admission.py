@@ -47,6 +47,27 @@ def run_with_one_bad(llm, expected, bad: SamplingParams):
     return outs[1]
 
 
+# ---- token ids are checked against the model's vocabulary ------------------------------------
+@pytest.mark.parametrize("stop_token_ids", [[VOCAB], [3, 2 ** 70], [10 ** 30]])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stop_token_ids_outside_the_vocabulary_rejected_at_admission(llm, expected, stop_token_ids, temperature):
+    """With min_tokens > 0 they were banned from the logits mid-generation: an IndexError for
+    [128], an overflow for 2**70."""
+    bad = SamplingParams(temperature=temperature, max_tokens=4, min_tokens=2, stop_token_ids=stop_token_ids)
+    with pytest.raises(ValueError, match=rf"stop_token_ids.*\[0, {VOCAB}\)"):
+        llm.llm_engine.add_request("bad-stop", PROMPTS[1], bad)
+    assert_all_free(llm)
+    out = run_with_one_bad(llm, expected, bad)
+    assert "stop_token_ids" in str(out.error) and out.outputs == []
+
+
+def test_stop_token_ids_inside_the_vocabulary_still_run(llm):
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4, min_tokens=2,
+                                                    stop_token_ids=[0, VOCAB - 1]))[0]
+    assert out.error is None and len(out.outputs[0].token_ids) >= 2
+    assert_all_free(llm)
+
+
 # ---- tiny top_p and repetition_penalty sample without inf / nan -----------------------------
 LOGITS = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
 
