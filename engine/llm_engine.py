@@ -126,8 +126,13 @@ class LLMEngine:
         self.stats.prompt_tokens += len(ids)
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: its token ids against the model's vocabulary
-        (stop_token_ids out of it failed mid-generation once min_tokens banned them)."""
+        """What SamplingParams cannot check alone: n against max_num_seqs (the n samples run at
+        once, forked after the prompt, so a larger n could never be scheduled) and its token ids
+        against the model's vocabulary (stop_token_ids out of it failed mid-generation once
+        min_tokens banned them)."""
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} samples can never run at once with max_num_seqs="
+                             f"{self.scheduler.max_num_seqs}: n must be <= max_num_seqs")
         vocab = self.runner.config.vocab_size
         if outside := [t for t in params.stop_token_ids if t >= vocab]:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {outside}")

@@ -22,7 +22,9 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """How to pick the tokens of one request (vLLM's names, defaults and rules).
 
-    n: parallel samples of the prompt; they share its KV blocks (copy-on-write).
+    n: parallel samples of the prompt; they share its KV blocks (copy-on-write). The engine also
+    checks, on admission, what needs the model or the scheduler: n <= max_num_seqs and
+    stop_token_ids inside the vocabulary.
     temperature: 0 is greedy. top_k (0 or -1 = off), top_p (1 = off) and min_p (0 = off) filter
     the distribution after the temperature. presence/frequency penalties (in [-2, 2]) subtract
     from the logits of tokens already generated; repetition_penalty (> 0, 1 = off) divides

@@ -27,9 +27,10 @@ class SchedulerOutput:
 class Scheduler:
     """Each step, every running sequence's num_computed_tokens catches up with its tokens as
     far as the token budget allows (oldest first), then waiting requests are admitted while
-    max_num_batched_tokens and max_num_seqs allow. When blocks run out the most recently
-    admitted sequence is preempted, by recompute (drop its blocks, re-prefill later) or by
-    swap (move its blocks to the CPU pool)."""
+    max_num_batched_tokens and max_num_seqs allow. A sequence counts against max_num_seqs with
+    its seats: the n samples it will fork into after its prompt, so forks never overshoot. When
+    blocks run out the most recently admitted sequence is preempted, by recompute (drop its
+    blocks, re-prefill later) or by swap (move its blocks to the CPU pool)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, enable_chunked_prefill: bool = True,
@@ -84,9 +85,10 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # 2. swapped sequences first (they arrived earlier), then waiting ones; nothing
-        # new while this step had to preempt
-        while not out.preempted and self.swapped and len(self.running) < self.max_num_seqs:
+        # 2. swapped sequences first (they arrived earlier), then waiting ones, while their
+        # seats fit; nothing new while this step had to preempt
+        seats = sum(seq.num_seats for seq in self.running)
+        while not out.preempted and self.swapped and seats + self.swapped[0].num_seats <= self.max_num_seqs:
             seq = self.swapped[0]
             n = self._chunk(seq, budget)
             if n == 0 or not bm.can_swap_in(seq, n):
@@ -95,9 +97,10 @@ class Scheduler:
             out.blocks_to_swap_in += bm.swap_in(seq)
             out.blocks_to_copy += bm.append_slots(seq, n)
             self._admit(out, seq, n)
+            seats += seq.num_seats
             budget -= n
         while (not out.preempted and not self.swapped and self.waiting
-               and len(self.running) < self.max_num_seqs and budget > 0):
+               and seats + self.waiting[0].num_seats <= self.max_num_seqs and budget > 0):
             seq = self.waiting[0]
             cached = bm.get_computed_blocks(seq)
             n = self._chunk(seq, budget, len(cached) * bm.block_size)
@@ -106,6 +109,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.allocate(seq, cached, n)
             self._admit(out, seq, n)
+            seats += seq.num_seats
             budget -= n
         return out
 
@@ -144,7 +148,8 @@ class Scheduler:
         return to_sample
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """Add child, a copy of running parent sharing its blocks (parallel sampling)."""
+        """Add child, a copy of running parent sharing its blocks (parallel sampling), in one
+        of the seats the parent held since its admission."""
         self.block_manager.fork(parent, child)
         self.running.append(child)
 

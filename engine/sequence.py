@@ -79,6 +79,15 @@ class Sequence:
         return (self.num_tokens + self.block_size - 1) // self.block_size
 
     @property
+    def num_seats(self) -> int:
+        """Places this sequence takes among the scheduler's max_num_seqs (vLLM's
+        get_max_num_running_seqs): all n samples of its request until they fork from it, when its
+        first token is sampled; one after."""
+        if self.sample_index == 0 and self.num_completion_tokens == 0:
+            return self.sampling_params.n
+        return 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 

@@ -47,6 +47,63 @@ def run_with_one_bad(llm, expected, bad: SamplingParams):
     return outs[1]
 
 
+# ---- n: parallel samples fork within max_num_seqs -------------------------------------------
+@pytest.mark.parametrize("n", [MAX_NUM_SEQS + 1, 20, 10 ** 7])
+def test_n_that_can_never_fit_is_rejected_at_admission(llm, expected, n):
+    """n=20 with max_num_seqs=4 ran 20 sequences at once; n=10**7 forked until it was OOM-killed."""
+    bad = SamplingParams(n=n, temperature=1.0, max_tokens=4)
+    with pytest.raises(ValueError, match=r"\bn\b.*max_num_seqs"):
+        llm.llm_engine.add_request("big-n", PROMPTS[1], bad)
+    assert_all_free(llm)
+    out = run_with_one_bad(llm, expected, bad)
+    assert "max_num_seqs" in str(out.error) and out.outputs == []
+
+
+def run_steps(llm, prompts, params):
+    """Drive the step API; returns ({request id: token lists by sample index}, the most sequences
+    ever running or swapped at once, checked after every schedule and every step)."""
+    engine, sched = llm.llm_engine, llm.scheduler
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    real_schedule, peak = sched.schedule, [0]
+
+    def schedule():
+        out = real_schedule()
+        peak[0] = max(peak[0], len(sched.running))
+        return out
+    sched.schedule = schedule
+    results = {}
+    try:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None
+                if out.finished:
+                    results[out.request_id] = [c.token_ids for c in out.outputs]
+            peak[0] = max(peak[0], len(sched.running))
+            assert len(sched.running) <= sched.max_num_seqs
+    finally:
+        del sched.schedule
+    return results, peak[0]
+
+
+@pytest.mark.parametrize("pool", [dict(num_kv_blocks=64), dict(num_kv_blocks=14, preemption_mode="recompute"),
+                                  dict(num_kv_blocks=14, preemption_mode="swap", num_cpu_blocks=64)])
+def test_n_forks_never_run_more_than_max_num_seqs(ckpt, pool):
+    """Requests whose n fits are scheduled as capacity allows: the n samples of a request are
+    counted from its admission, so forking after the prompt never overshoots max_num_seqs."""
+    prompts = [PROMPTS[i % 3] for i in range(5)]
+    params = [SamplingParams(n=n, temperature=1.0, top_k=20, seed=10 * i, max_tokens=6, ignore_eos=True)
+              for i, n in enumerate([3, 3, 1, 2, MAX_NUM_SEQS])]
+    small = LLM(ckpt, block_size=4, max_num_seqs=MAX_NUM_SEQS, **pool)
+    got, peak = run_steps(small, prompts, params)
+    assert peak == MAX_NUM_SEQS  # capacity is used, never exceeded
+    assert_all_free(small)
+    # every sample draws from its own seeded generator: the same tokens as with room for all at once
+    roomy = LLM(ckpt, block_size=4, num_kv_blocks=256)
+    assert got == run_steps(roomy, prompts, params)[0]
+    assert [len(got[str(i)]) for i in range(5)] == [p.n for p in params]
+
+
 # ---- token ids are checked against the model's vocabulary ------------------------------------
 @pytest.mark.parametrize("stop_token_ids", [[VOCAB], [3, 2 ** 70], [10 ** 30]])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
