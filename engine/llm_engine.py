@@ -169,7 +169,9 @@ class LLMEngine:
         """Schedule, run the model, sample; returns the output so far of every request that got a
         token (cumulative, as vLLM's default), ``finished`` set on the last. An exception inside
         the model aborts every request (all blocks free, the prefix cache cleared: its newest
-        blocks were registered but never written) and propagates."""
+        blocks were registered but never written) and propagates; one while recording a
+        request's prompt logprobs or choosing its tokens ends that request only, its output
+        carrying the error."""
         if not self.requests:
             return []
         try:
@@ -182,12 +184,18 @@ class LLMEngine:
             self.scheduler.abort_all()
             self.requests.clear()
             raise
+        touched: dict[str, Request] = {}  # the requests with an output this step
         for seq_id, (first, rows) in logits.prompt.items():
-            self._add_prompt_logprobs(next(s for s in out.seqs if s.seq_id == seq_id), first, rows)
+            seq = next(s for s in out.seqs if s.seq_id == seq_id)
+            req = self.requests[seq.request_id]
+            try:
+                self._add_prompt_logprobs(req, seq, first, rows)
+            except Exception as e:  # one request's failure ends that request only
+                self._fail(req, e)
+                touched[req.request_id] = req
         due = self.scheduler.postprocess(out)
         plain = [row for row, s in enumerate(due) if s.sampling_params.greedy and not self._needs_processing(s)]
         greedy_ids = dict(zip(plain, greedy(logits.sample[plain]).tolist()))  # one device sync
-        touched: dict[str, Request] = {}
         for row, seq in enumerate(due):
             req = self.requests.get(seq.request_id)
             if req is None or seq.is_finished:  # its request failed earlier in this loop
@@ -202,13 +210,18 @@ class LLMEngine:
                 for s in samples:
                     self._append(s, logits.sample[row], greedy_ids.get(row))
             except Exception as e:  # one request's failure ends that request only
-                self.abort_request(req.request_id)
-                req.error = ValueError(f"request {req.request_id!r} failed: {e!r}")
+                self._fail(req, e)
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
+
+    def _fail(self, req: Request, error: Exception) -> None:
+        """End req alone after error inside a step: its sequences stop (their blocks are free)
+        and its output carries the error."""
+        self.abort_request(req.request_id)
+        req.error = ValueError(f"request {req.request_id!r} failed: {error!r}")
 
     def _count(self, out) -> None:
         bm, stats = self.block_manager, self.stats
@@ -273,10 +286,9 @@ class LLMEngine:
             return "length"
         return None
 
-    def _add_prompt_logprobs(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+    def _add_prompt_logprobs(self, req: Request, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         # rows[j]: the distribution of prompt token first + j + 1. After a recompute preemption
         # the prompt runs again: keep what was recorded the first time
-        req = self.requests[seq.request_id]
         k = req.params.prompt_logprobs
         logprobs = torch.log_softmax(rows, -1)
         for j in range(max(0, len(req.prompt_logprobs) - 1 - first), rows.shape[0]):

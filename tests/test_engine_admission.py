@@ -180,3 +180,23 @@ def test_tiny_repetition_penalty_in_the_engine(llm, expected):
         assert out.error is None and out.outputs[0].finish_reason == "length"
         assert len(out.outputs[0].token_ids) == 6
 
+
+# ---- a failure while recording prompt logprobs ends only that request ----------------------
+def test_failure_in_prompt_logprobs_ends_only_that_request(llm, expected, monkeypatch):
+    """It escaped step() and dropped the whole generate call."""
+    real = llm_engine.top_logprobs
+
+    def top_logprobs(logprobs, token, k):
+        if k == 7:
+            raise RuntimeError("injected")
+        return real(logprobs, token, k)
+    monkeypatch.setattr(llm_engine, "top_logprobs", top_logprobs)
+    good = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(PROMPTS, [good, SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=7), good])
+    assert "injected" in str(outs[1].error) and outs[1].finished
+    for i in (0, 2):
+        assert outs[i].error is None and outs[i].outputs[0].token_ids == expected[i]
+        assert len(outs[i].prompt_logprobs) == len(PROMPTS[i])
+    assert_all_free(llm)
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
