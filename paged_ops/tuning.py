@@ -28,10 +28,13 @@ entries of this build only.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
+import re
+import stat
 import tempfile
 import threading
 import warnings
@@ -165,40 +168,102 @@ def config_problem(backend: str, op: str, config) -> str | None:
 
 # ---- the file -------------------------------------------------------------------------------
 
-def _read_entries(path: Path) -> dict[str, dict]:
-    """Valid entries of the cache file; anything malformed is dropped with a warning."""
+MAX_FILE_BYTES = 64 << 20  # a tuning file is a few kB; anything near this is not one
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """``repr(text)``, cut to ``limit`` characters (a bad file's key may be megabytes)."""
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[:limit] + "..."
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text, or None (missing, or not a readable UTF-8 regular file: warned once).
+
+    Opened non-blocking and checked to be a regular file first: a FIFO (or a device) in the
+    file's place would otherwise block the first op call forever.
+    """
     try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        return {}
+        return None
+    except (OSError, ValueError) as e:
+        _warn_once(f"paged_ops tuning cache {path} unreadable ({e}); ignored, shapes are tuned again")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _warn_once(f"paged_ops tuning cache {path} is not a regular file; ignored, shapes are tuned again")
+            return None
+        if st.st_size > MAX_FILE_BYTES:
+            _warn_once(f"paged_ops tuning cache {path} is {st.st_size} bytes, over {MAX_FILE_BYTES}; ignored, "
+                       "shapes are tuned again")
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_FILE_BYTES + 1)
     except OSError as e:
-        _warn_once(f"paged_ops tuning cache {path} unreadable ({e}); tuning again")
+        _warn_once(f"paged_ops tuning cache {path} unreadable ({e}); ignored, shapes are tuned again")
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        _warn_once(f"paged_ops tuning cache {path} is not UTF-8 text ({e.reason} at byte {e.start}); ignored, "
+                   "shapes are tuned again")
+        return None
+
+
+def _read_entries(path: Path) -> dict[str, dict]:
+    """Valid entries of the cache file; anything malformed is dropped with one warning per file.
+
+    Never raises: not a regular file, not UTF-8, not JSON, nested too deeply for the parser, of
+    the wrong shape, or entries that are not valid for their backend all read as "nothing stored".
+    """
+    text = _read_text(path)
+    if text is None:
         return {}
     try:
         data = json.loads(text)
-    except ValueError:
-        _warn_once(f"paged_ops tuning cache {path} is not JSON; ignored, shapes are tuned again")
+    except (ValueError, RecursionError, MemoryError):  # RecursionError: "[[[[..." nested deeper than the parser goes
+        _warn_once(f"paged_ops tuning cache {path} is not JSON (or nested too deeply); ignored, shapes are "
+                   "tuned again")
         return {}
     if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
         _warn_once(f"paged_ops tuning cache {path} is not a format-{FORMAT} tuning file; ignored, "
                    "shapes are tuned again")
         return {}
-    entries = {}
+    entries, bad = {}, []
     for key, entry in data["entries"].items():
-        problem = _entry_problem(entry)
+        problem = _entry_problem(key, entry)
         if problem:
-            _warn_once(f"paged_ops tuning cache {path}: entry {key!r} ignored ({problem}); it is tuned again")
+            bad.append((key, problem))
         else:
             entries[key] = entry
+    if bad:
+        key, problem = bad[0]
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        _warn_once(f"paged_ops tuning cache {path}: entry {_short(key)} ignored ({problem}){more}; "
+                   "tuned again")
     return entries
 
 
-def _entry_problem(entry) -> str | None:
+# A key the CUDA registry stores: one whitespace-free token of printable ASCII (cuda_tuning.tsv is
+# "key threads partition kv_tile tc" lines; csrc/cuda/tuning.h reads it).
+_REGISTRY_KEY = re.compile(r"[!-~]{1,512}")
+
+
+def _entry_problem(key, entry) -> str | None:
     if not isinstance(entry, dict):
         return "not an object"
     backend, op = entry.get("backend"), entry.get("op")
     if not isinstance(backend, str) or not isinstance(op, str):
         return "no backend/op"
+    shape = entry.get("key")
+    if not (isinstance(shape, list) and all(isinstance(k, str) for k in shape)):
+        return "its shape key is not a list of strings"
+    if backend in ("cuda", "cuda_emu") and not (shape and _REGISTRY_KEY.fullmatch(shape[0])):
+        return f"its registry key {_short(shape[0]) if shape else '(none)'} is not one printable token"
     return config_problem(backend, op, entry.get("config"))
 
 
@@ -208,10 +273,20 @@ def _write_entry(path: Path, key: str, entry: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     entries = _read_entries(path)
     entries[key] = entry
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump({"format": FORMAT, "entries": entries}, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+    _replace(path, json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True), ".json")
+
+
+def _replace(path: Path, text: str, suffix: str) -> None:
+    """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=suffix)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 # ---- timing ---------------------------------------------------------------------------------
@@ -304,7 +379,7 @@ class Tuner:
                     self._entries()[entry] = record
                     try:
                         _write_entry(cache_path(), entry, record)
-                    except OSError as e:  # read-only home: keep the choice for this process
+                    except (OSError, ValueError) as e:  # read-only home: keep the choice for this process
                         _warn_once(f"paged_ops tuning cache {cache_path()} not writable ({e})")
             else:
                 config, source = dict(default), "default"
@@ -453,16 +528,13 @@ def _sync_tsv() -> None:
     version = code_version("cuda")
     lines = []
     for k, entry in sorted(_read_entries(cache_path()).items()):
-        if entry["backend"] != "cuda" or f"|{version}|" not in k or not entry.get("key"):
+        if entry["backend"] != "cuda" or f"|{version}|" not in k:
             continue
         c = entry["config"]
         lines.append(f"{entry['key'][0]} {c['threads']} {c['partition']} {c['kv_tile']} {c['tc']}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".tsv")
-        with os.fdopen(fd, "w") as f:
-            f.write("".join(line + "\n" for line in lines))
-        os.replace(tmp, path)
+        _replace(path, "".join(line + "\n" for line in lines), ".tsv")
     except OSError as e:
         _warn_once(f"paged_ops: cannot write {path} ({e})")
 
@@ -477,8 +549,13 @@ def load() -> int:
     version = code_version("cuda")
     n = 0
     for k, entry in _read_entries(cache_path()).items():
-        if entry["backend"] == "cuda" and f"|{version}|" in k and entry.get("key"):
-            _set_registry(str(entry["key"][0]), entry["config"])
+        # _read_entries checked the entry: key[0] is one printable token, the config is valid.
+        if entry["backend"] == "cuda" and f"|{version}|" in k:
+            try:
+                _set_registry(entry["key"][0], entry["config"])
+            except (RuntimeError, ValueError, TypeError) as e:
+                _warn_once(f"paged_ops tuning cache {cache_path()}: entry {_short(k)} not installed ({e})")
+                continue
             n += 1
     _sync_tsv()
     return n

@@ -317,3 +317,182 @@ def test_triton_keys_hold_layout_and_head_counts():
                 lambda c: prefill.tuning_key(c.query, c.key_cache, c.block_tables, 4, True)):
         keys = [key(c) for c in (nhd, hnd, wide)]
         assert len(set(keys)) == 3 and keys[0][-1] == "NHD" and keys[1][-1] == "HND"
+
+
+# ---- bad files and entries of every kind (#27 item 5): one warning, re-tuned, never an error ----
+
+def _ignored_with_one_warning(path):
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert tuning._read_entries(path) == {}
+    messages = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(messages) == 1 and "ignored" in messages[0], messages
+    return messages[0]
+
+
+UNREADABLE_BYTES = {
+    "not-utf8": b"\xff\xfe{\x00\"\x00f\x00",
+    "latin-1": json.dumps({"format": tuning.FORMAT, "entries": {"triton|x|Caf\u00e9|k": {}}},
+                          ensure_ascii=False).encode("latin-1"),
+    "nested": b"[" * 200_000 + b"]" * 200_000,
+    "nested-object": b'{"format": 2, "entries": ' + b'{"a": ' * 100_000 + b"1" + b"}" * 100_001,
+}
+
+
+@pytest.mark.parametrize("data", list(UNREADABLE_BYTES.values()), ids=list(UNREADABLE_BYTES))
+def test_undecodable_or_too_deep_file_is_ignored_and_retuned(cache_dir, data):
+    (cache_dir / tuning.FILE_NAME).write_bytes(data)
+    _ignored_with_one_warning(tuning.cache_path())
+    tuning.load()  # no exception
+    bench, _ = fake_bench({16: 2.0, 32: 1.0, 64: 3.0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert tuning.tuner("triton", "decode_attention").choose("gpu-x", ("k",), DEFAULT, CANDIDATES, bench,
+                                                                 force=True) == CANDIDATES[1]
+    (entry,) = json.loads((cache_dir / tuning.FILE_NAME).read_text(encoding="utf-8"))["entries"].values()
+    assert entry["config"] == CANDIDATES[1]
+
+
+@pytest.mark.parametrize("data", list(UNREADABLE_BYTES.values()), ids=list(UNREADABLE_BYTES))
+def test_triton_call_works_with_an_undecodable_or_too_deep_file(cache_dir, data):
+    """The issue's symptom: every Triton call raised UnicodeDecodeError / RecursionError."""
+    if "triton" not in paged_ops.available_backends():
+        pytest.skip("triton backend not available (no triton, or the interpreter is off)")
+    (cache_dir / tuning.FILE_NAME).write_bytes(data)
+    case = small_decode_case()
+    out = nan_like(case.query)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        paged_ops.backend("triton").decode_attention(*case.decode_args(out))
+    assert sum("ignored" in str(x.message) for x in w) == 1, [str(x.message)[:200] for x in w]
+    assert_close(out, case.reference_decode(), torch.float32)
+
+
+def test_fifo_in_place_of_the_file_does_not_hang_a_triton_call(cache_dir):
+    """Opening a FIFO for reading blocks until a writer comes: the file is opened non-blocking
+    and anything but a regular file is ignored."""
+    if "triton" not in paged_ops.available_backends():
+        pytest.skip("triton backend not available (no triton, or the interpreter is off)")
+    import threading
+    fifo = cache_dir / tuning.FILE_NAME
+    os.mkfifo(fifo)
+    case = small_decode_case()
+    out = nan_like(case.query)
+    caught = []
+
+    def call():
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            paged_ops.backend("triton").decode_attention(*case.decode_args(out))
+        caught.extend(str(x.message) for x in w)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(timeout=120)
+    if t.is_alive():  # unblock the reader (open a writer, close it: EOF), then fail
+        os.close(os.open(fifo, os.O_WRONLY))
+        t.join(timeout=60)
+        pytest.fail("the Triton call blocked reading a FIFO tuning cache")
+    assert any("not a regular file" in m for m in caught), caught
+    assert_close(out, case.reference_decode(), torch.float32)
+
+
+def test_directory_or_huge_file_in_place_of_the_file(cache_dir, monkeypatch):
+    (cache_dir / tuning.FILE_NAME).mkdir()
+    assert "not a regular file" in _ignored_with_one_warning(tuning.cache_path())
+    (cache_dir / tuning.FILE_NAME).rmdir()
+    monkeypatch.setattr(tuning, "MAX_FILE_BYTES", 100)
+    (cache_dir / tuning.FILE_NAME).write_text(json.dumps({"format": tuning.FORMAT, "entries": {}}) + " " * 200)
+    assert "over 100" in _ignored_with_one_warning(tuning.cache_path())
+
+
+def test_many_bad_entries_warn_once_per_file(cache_dir):
+    bad = {"threads": 33, "partition": 0, "kv_tile": 0, "tc": 0}
+    entries = {f"cuda|decode_attention|cpu|v|k{i}": dict(backend="cuda", op="decode_attention", key=[f"k{i}"],
+                                                          config=bad) for i in range(5)}
+    (cache_dir / tuning.FILE_NAME).write_text(json.dumps({"format": tuning.FORMAT, "entries": entries}))
+    message = _ignored_with_one_warning(tuning.cache_path())
+    assert "threads=33" in message and "4 more" in message
+    with warnings.catch_warnings(record=True) as w:  # the same file again: no second warning
+        warnings.simplefilter("always")
+        tuning._read_entries(tuning.cache_path())
+    assert not w
+
+
+MALFORMED_CUDA_KEYS = {"dict": {"a": 1}, "int": 5, "none": None, "empty": [], "list-of-int": [7],
+                       "newline": ["decode|sm1\ntrailing 1 2 3 4"], "space": ["decode|sm1 x"],
+                       "empty-string": [""], "string": "decode|sm1", "huge": ["k" * 100_000]}
+
+
+@pytest.mark.parametrize("shape_key", list(MALFORMED_CUDA_KEYS.values()), ids=list(MALFORMED_CUDA_KEYS))
+def test_cuda_entry_with_a_malformed_key_is_ignored_by_load(cache_dir, shape_key):
+    """load() promises never to raise on a bad file: a malformed shape key used to raise
+    TypeError / KeyError, and a key holding a newline wrote two lines into cuda_tuning.tsv."""
+    if not tuning.cuda_available():
+        pytest.skip("extension built without the CUDA backend")
+    version = tuning.code_version("cuda")
+    good = dict(threads=256, partition=1024, kv_tile=0, tc=0)
+    entries = {f"cuda|decode_attention|cpu|{version}|good": dict(backend="cuda", op="decode_attention",
+                                                                 key=["decode|good-key"], config=good),
+               f"cuda|decode_attention|cpu|{version}|bad": dict(backend="cuda", op="decode_attention",
+                                                                key=shape_key, config=good)}
+    (cache_dir / tuning.FILE_NAME).write_text(json.dumps({"format": tuning.FORMAT, "entries": entries}))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert tuning.load() == 1
+    messages = [str(x.message) for x in w]
+    assert len(messages) == 1 and "'cuda|decode_attention|cpu|" in messages[0] and "ignored" in messages[0], messages
+    assert len(messages[0]) < 1000  # a huge key is not echoed whole
+    assert (cache_dir / tuning.TSV_NAME).read_text().splitlines() == ["decode|good-key 256 1024 0 0"]
+
+
+def test_registry_refuses_a_bad_config_or_key():
+    if not tuning.cuda_available():
+        pytest.skip("extension built without the CUDA backend")
+    ops = torch.ops.paged_cuda
+    for args, field in [(("k-ok", 33, 0, 0, 0), "threads"), (("k-ok", 0, 100, 0, 0), "partition_size"),
+                        (("k-ok", 0, 0, 3, 0), "kv_tile"), (("k-ok", 0, 0, 0, 2), "tensor_cores"),
+                        (("two words", 0, 0, 0, 0), "key"), (("line\nbreak", 0, 0, 0, 0), "key")]:
+        with pytest.raises(ValueError, match=field):
+            ops.set_tuned_config(*args)
+    assert ops.tuned_config("k-ok")[-1] == 0 and ops.tuned_config("two words")[-1] == 0
+
+
+def _registry_in_a_new_process(cache_dir, keys, timeout=120):
+    """tuned_config of each key in a fresh process (the extension reads the .tsv at its first lookup)."""
+    code = ("import sys, json, torch, paged_ops\n"
+            "print(json.dumps([list(torch.ops.paged_cuda.tuned_config(k)) for k in json.loads(sys.argv[1])]))\n")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(keys)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, PAGED_OPS_CACHE_DIR=str(cache_dir)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_extension_reads_only_valid_tsv_lines(cache_dir):
+    """csrc/cuda/tuning.h: a line is one key and four integers that are a valid config; any other
+    line (bad numbers, extra or missing fields, out of range, binary junk) is skipped."""
+    if not tuning.cuda_available():
+        pytest.skip("extension built without the CUDA backend")
+    lines = [b"good-a 128 512 0 0", b"good-b 0 -1 32 1", b"  good-c\t64 256 0 -1  ",
+             b"bad-threads 33 0 0 0", b"bad-partition 128 100 0 0", b"bad-tile 128 0 3 0", b"bad-tc 0 0 0 2",
+             b"bad-extra 128 512 0 0 9", b"bad-short 128 512 0", b"bad-text 128 x 0 0",
+             b"bad-huge 99999999999999999999 0 0 0", b"bad-plus 128 512 0 0x1", b"bad-float 128.0 512 0 0",
+             b"bad-\xff\xfe 128 512 0 0", b"", b"\x00\x01\x02", b"k" * 100_000 + b" 128 512 0 0"]
+    (cache_dir / tuning.TSV_NAME).write_bytes(b"\n".join(lines) + b"\n")
+    keys = ["good-a", "good-b", "good-c", "bad-threads", "bad-partition", "bad-tile", "bad-tc", "bad-extra",
+            "bad-short", "bad-text", "bad-huge", "bad-plus", "bad-float"]
+    got = dict(zip(keys, _registry_in_a_new_process(cache_dir, keys)))
+    assert got.pop("good-a") == [128, 512, 0, 0, 1]
+    assert got.pop("good-b") == [0, -1, 32, 1, 1]
+    assert got.pop("good-c") == [64, 256, 0, -1, 1]
+    assert all(v == [0, 0, 0, 0, 0] for v in got.values()), {k: v for k, v in got.items() if v[-1]}
+
+
+def test_extension_does_not_block_on_a_fifo_tsv(cache_dir):
+    if not tuning.cuda_available():
+        pytest.skip("extension built without the CUDA backend")
+    os.mkfifo(cache_dir / tuning.TSV_NAME)
+    try:
+        assert _registry_in_a_new_process(cache_dir, ["any"], timeout=60) == [[0, 0, 0, 0, 0]]
+    except subprocess.TimeoutExpired:
+        pytest.fail("the extension's registry blocked reading a FIFO cuda_tuning.tsv")

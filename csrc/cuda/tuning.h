@@ -7,12 +7,23 @@
 // this loader (one "key threads partition kv_tile tc" line per shape). The registry reads the .tsv
 // on its first lookup, so a new process uses earlier tuning without importing the tuner.
 // An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
+//
+// The .tsv is input from disk and never trusted, like tuning.json on the Python side: only a
+// regular file (a FIFO in its place must not block the first call) of sane size is read, and a
+// line is used only when it is exactly one printable key and four integers that are a valid
+// config (paged_ops/tuning.py _CUDA_SCHEMA); any other line is skipped, and that shape runs on
+// the defaults until it is tuned again.
 #pragma once
 #include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
+#include <cerrno>
+#include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -58,17 +69,91 @@ inline std::string cache_file() {
   return std::string(home ? home : ".") + "/.cache/paged_ops/cuda_tuning.tsv";
 }
 
+// Whether the four numbers are a config the kernels accept (0 = the kernels' default for a field).
+// Mirrors paged_ops/tuning.py _CUDA_SCHEMA.
+inline const char* config_problem(int64_t threads, int64_t partition_size, int64_t kv_tile, int64_t tensor_cores) {
+  if (!(threads == 0 || (threads >= 32 && threads <= 1024 && threads % 32 == 0)))
+    return "threads must be 0 or a multiple of 32 in [32, 1024]";
+  if (!(partition_size == 0 || partition_size == -1 ||
+        (partition_size >= 16 && partition_size <= (int64_t(1) << 20) && partition_size % 16 == 0)))
+    return "partition_size must be -1, 0 or a multiple of 16 in [16, 2^20]";
+  if (!(kv_tile == 0 || (kv_tile >= 8 && kv_tile <= 256 && (kv_tile & (kv_tile - 1)) == 0)))
+    return "kv_tile must be 0 or a power of two in [8, 256]";
+  if (tensor_cores < -1 || tensor_cores > 1) return "tensor_cores must be -1, 0 or 1";
+  return nullptr;
+}
+
+constexpr size_t kMaxKeyChars = 512;
+constexpr off_t kMaxFileBytes = off_t(16) << 20;  // a few hundred bytes a shape; more is not ours
+
+inline bool is_key(const std::string& key) {
+  if (key.empty() || key.size() > kMaxKeyChars) return false;
+  for (char ch : key)
+    if (ch < '!' || ch > '~') return false;  // printable ASCII, no spaces
+  return true;
+}
+
+inline bool parse_int(const std::string& token, int64_t& value) {
+  if (token.empty() || token.size() > 12) return false;
+  errno = 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(token.c_str(), &end, 10);
+  if (errno != 0 || end != token.c_str() + token.size()) return false;
+  value = v;
+  return true;
+}
+
+// One "key threads partition kv_tile tc" line; false (and `key`/`c` untouched) for anything else.
+inline bool parse_line(const std::string& line, std::string& key, paged::LaunchConfig& c) {
+  std::istringstream ls(line);
+  std::string tokens[6];
+  int n = 0;
+  while (n < 6 && ls >> tokens[n]) ++n;
+  if (n != 5 || !is_key(tokens[0])) return false;
+  int64_t v[4];
+  for (int i = 0; i < 4; ++i)
+    if (!parse_int(tokens[i + 1], v[i])) return false;
+  if (config_problem(v[0], v[1], v[2], v[3]) != nullptr) return false;
+  key = tokens[0];
+  c = paged::LaunchConfig{};
+  c.threads = int(v[0]);
+  c.partition_size = int(v[1]);
+  c.kv_tile = int(v[2]);
+  c.tensor_cores = int(v[3]);
+  return true;
+}
+
+// The file's bytes, or "" when it is missing, not a regular file, too large or unreadable.
+inline std::string read_cache_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO: opens, not read
+  if (fd < 0) return {};
+  std::string data;
+  struct stat st {};
+  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size <= kMaxFileBytes) {
+    char buf[1 << 16];
+    for (;;) {
+      const ssize_t got = ::read(fd, buf, sizeof buf);
+      if (got < 0 && errno == EINTR) continue;
+      if (got <= 0) break;
+      data.append(buf, size_t(got));
+      if (data.size() > size_t(kMaxFileBytes)) {  // grew while read
+        data.clear();
+        break;
+      }
+    }
+  }
+  ::close(fd);
+  return data;
+}
+
 inline Registry& registry() {
   static Registry* r = [] {
     auto* reg = new Registry;  // never destroyed: lookups may run during interpreter shutdown
-    std::ifstream in(cache_file());
-    std::string line;
-    while (std::getline(in, line)) {
-      std::istringstream ls(line);
-      std::string key;
-      paged::LaunchConfig c;
-      if (ls >> key >> c.threads >> c.partition_size >> c.kv_tile >> c.tensor_cores) reg->configs[key] = c;
-    }
+    std::istringstream in(read_cache_file(cache_file()));
+    std::string line, key;
+    paged::LaunchConfig c;
+    while (std::getline(in, line))
+      if (parse_line(line, key, c)) reg->configs[key] = c;
     return reg;
   }();
   return *r;
@@ -83,6 +168,11 @@ inline paged::LaunchConfig lookup(const std::string& key) {
 
 inline void set_config(const std::string& key, int64_t threads, int64_t partition_size, int64_t kv_tile,
                        int64_t tensor_cores) {
+  TORCH_CHECK_VALUE(is_key(key), "set_tuned_config: key must be one token of printable ASCII (no spaces), at most ",
+                    kMaxKeyChars, " characters");
+  const char* problem = config_problem(threads, partition_size, kv_tile, tensor_cores);
+  TORCH_CHECK_VALUE(problem == nullptr, "set_tuned_config: ", problem ? problem : "", " (got threads=", threads,
+                    ", partition_size=", partition_size, ", kv_tile=", kv_tile, ", tensor_cores=", tensor_cores, ")");
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
   paged::LaunchConfig c;
