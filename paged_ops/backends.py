@@ -139,11 +139,14 @@ def use_backend(name: str):
         _FORCED.reset(token)
 
 
-# batch_invariant's mode (1 on, 0 off, None: no block, PAGED_OPS_BATCH_INVARIANT decides). Like
-# _FORCED, the C++ op reads it only while some batch_invariant block is open (counted by
-# _C._add_batch_invariant_blocks); with none open the op path runs no Python.
-_BATCH_INVARIANT: contextvars.ContextVar[int | None] = contextvars.ContextVar("paged_ops_batch_invariant",
-                                                                               default=None)
+# batch_invariant's blocks: the innermost open in this context, as a node [state, parent] (state 1
+# on, 0 off, -1 once the block has closed; parent: the node around it, or None). Like _FORCED, the
+# C++ op reads it only while some batch_invariant block is open (counted by
+# _C._add_batch_invariant_blocks), so with none open the op path runs no Python; it walks out to
+# the first node still open, so a task started inside a block (it inherits the node) follows the
+# block's mode while the block is open and the blocks around it after that.
+_BATCH_INVARIANT: contextvars.ContextVar[list | None] = contextvars.ContextVar("paged_ops_batch_invariant",
+                                                                              default=None)
 _C._set_batch_invariant_var(_BATCH_INVARIANT)
 
 
@@ -157,8 +160,9 @@ def batch_invariant(enabled: bool = True):
     ``enabled`` must be a ``bool`` (``TypeError`` otherwise, before the block opens).
 
     The mode is a ``contextvars.ContextVar``, like ``use_backend``'s: it holds for the whole
-    block on this thread and in this asyncio task (tasks started inside inherit it, other tasks
-    on the thread do not see it) and never reaches threads started meanwhile. Compiled code
+    block on this thread and in this asyncio task; other tasks on the thread do not see it,
+    tasks started inside (and ``asyncio.to_thread`` calls) follow it while the block is open,
+    and threads started meanwhile never see it. Compiled code
     called inside the block runs in the mode (it is read when the op runs); the block itself
     cannot be inside a function ``torch.compile`` traces (a graph break; pass
     ``batch_invariant=True`` to the op there)."""
@@ -170,11 +174,13 @@ def batch_invariant(enabled: bool = True):
 
 @contextlib.contextmanager
 def _batch_invariant_block(state: int):
-    token = _BATCH_INVARIANT.set(state)
+    node = [state, _BATCH_INVARIANT.get()]
+    token = _BATCH_INVARIANT.set(node)
     _C._add_batch_invariant_blocks(1)
     try:
         yield
     finally:
+        node[0] = -1  # closed, also for the tasks started inside that still hold it
         _C._add_batch_invariant_blocks(-1)
         _BATCH_INVARIANT.reset(token)
 

@@ -136,6 +136,27 @@ const Active& build(const Isa& isa) {
   return made[size_t(&isa - isas().data())];
 }
 
+// `name` as an error message shows it: an environment variable can hold any bytes, of any length.
+// The first 64 bytes, those outside printable ASCII as \xNN (the message must stay valid UTF-8
+// for Python), then "..." and the length.
+std::string shown(const std::string& name) {
+  constexpr size_t kMax = 64;
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (size_t i = 0; i < name.size() && i < kMax; ++i) {
+    const unsigned char ch = static_cast<unsigned char>(name[i]);
+    if (ch >= 0x20 && ch < 0x7f && ch != '\\') {
+      out += char(ch);
+    } else {
+      out += "\\x";
+      out += hex[ch >> 4];
+      out += hex[ch & 15];
+    }
+  }
+  if (name.size() > kMax) out += "... (" + std::to_string(name.size()) + " bytes)";
+  return out;
+}
+
 const Active& find(const std::string& name, const char* what) {
   for (const Isa& isa : isas()) {
     if (name != isa.name) continue;
@@ -146,7 +167,7 @@ const Active& find(const std::string& name, const char* what) {
                       "; supported on this machine: ", join_names(true));
     return build(isa);
   }
-  TORCH_CHECK_VALUE(false, what, "='", name, "' is not a CPU ISA; valid: ", join_names(false),
+  TORCH_CHECK_VALUE(false, what, "='", shown(name), "' is not a CPU ISA; valid: ", join_names(false),
                     " (supported on this machine: ", join_names(true), ")");
 }
 

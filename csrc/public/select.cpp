@@ -7,6 +7,10 @@
 //     and threads. Reading it needs the GIL, so it is read only while some use_backend block is
 //     active anywhere in the process (an atomic count): the default path runs no Python;
 //  3. PAGED_OPS_BACKEND, read per call.
+//
+// The batch-invariant mode, the same way: paged_ops.batch_invariant(enabled) sets a ContextVar
+// (so two asyncio tasks on one thread never see, or restore, each other's mode), read only while
+// some batch_invariant block is open in the process; else PAGED_OPS_BATCH_INVARIANT, per call.
 #include "public/select.h"
 
 #include <c10/util/Exception.h>
@@ -33,11 +37,43 @@ constexpr std::array<const char*, kNumBackends> kNamespaces = {"paged_cpu", "pag
                                                                "paged_cuda_emu"};
 
 thread_local int t_call_backend = -1;   // 1.
-// paged_ops.batch_invariant(enabled) on this thread: -1 no block open (PAGED_OPS_BATCH_INVARIANT
-// decides), 0 off, 1 on.
-thread_local int t_batch_invariant = -1;
 std::atomic<int> g_active_overrides{0};  // 2.: use_backend blocks open in the process
 PyObject* g_backend_var = nullptr;       // 2.: the ContextVar (value: backend index or None)
+// paged_ops.batch_invariant blocks open in the process, and their ContextVar. Its value: None (no
+// block in this context: PAGED_OPS_BATCH_INVARIANT decides) or the innermost block's node, a list
+// [state, parent node]; state 1 on, 0 off, -1 once that block closed (paged_ops/backends.py).
+std::atomic<int> g_open_batch_invariant{0};
+PyObject* g_batch_invariant_var = nullptr;
+
+// The mode of the innermost block still open in the calling thread's context: 0 / 1, or -1
+// (none). Only called while a block is open somewhere: the GIL is taken only then.
+int batch_invariant_by_context() {
+  if (g_open_batch_invariant.load(std::memory_order_relaxed) == 0 || g_batch_invariant_var == nullptr) return -1;
+#if PY_VERSION_HEX >= 0x030D0000
+  if (!Py_IsInitialized() || Py_IsFinalizing()) return -1;
+#else
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return -1;
+#endif
+  const PyGILState_STATE gil = PyGILState_Ensure();  // the op may run with the GIL released
+  int state = -1;
+  PyObject* value = nullptr;
+  if (PyContextVar_Get(g_batch_invariant_var, Py_None, &value) == 0 && value != nullptr) {
+    // Nodes are made by backends.py only; the depth bound guards against a hand-made cycle.
+    PyObject* node = value;
+    for (int depth = 0; depth < 100000 && PyList_Check(node) && PyList_GET_SIZE(node) == 2; ++depth) {
+      const long s = PyLong_AsLong(PyList_GET_ITEM(node, 0));
+      if (s == 0 || s == 1) {
+        state = int(s);
+        break;
+      }
+      node = PyList_GET_ITEM(node, 1);
+    }
+    Py_DECREF(value);
+  }
+  if (PyErr_Occurred()) PyErr_Clear();
+  PyGILState_Release(gil);
+  return state;
+}
 
 int forced_by_context() {
   if (g_active_overrides.load(std::memory_order_relaxed) == 0 || g_backend_var == nullptr) return -1;
@@ -114,7 +150,8 @@ const char* backend_name(int backend) { return kNames.at(backend); }
 
 bool batch_invariant_mode(bool requested) {
   if (requested) return true;  // the call's own argument cannot be turned off from outside
-  if (t_batch_invariant >= 0) return t_batch_invariant == 1;
+  const int by_context = batch_invariant_by_context();
+  if (by_context >= 0) return by_context == 1;
   // Read per call, like PAGED_OPS_BACKEND, so a test or a process can flip it at run time.
   const char* env = std::getenv("PAGED_OPS_BATCH_INVARIANT");
   return env != nullptr && env[0] == '1' && env[1] == '\0';
@@ -201,15 +238,23 @@ PyObject* py_swap_call_backend(PyObject*, PyObject* index) {
   return PyLong_FromLong(previous);
 }
 
-// _swap_batch_invariant(state) -> previous: the batch-invariant mode of this thread's public
-// attention calls (-1: as PAGED_OPS_BATCH_INVARIANT says, 0: off, 1: on), set and restored by
-// paged_ops.batch_invariant().
-PyObject* py_swap_batch_invariant(PyObject*, PyObject* state) {
-  const long v = PyLong_AsLong(state);
-  if (v == -1 && PyErr_Occurred()) return nullptr;
-  const int previous = t_batch_invariant;
-  t_batch_invariant = v < 0 ? -1 : (v > 0 ? 1 : 0);
-  return PyLong_FromLong(previous);
+// _set_batch_invariant_var(var): the ContextVar paged_ops.batch_invariant() sets (once, at import).
+PyObject* py_set_batch_invariant_var(PyObject*, PyObject* var) {
+  if (!PyContextVar_CheckExact(var)) {
+    PyErr_SetString(PyExc_TypeError, "expected a contextvars.ContextVar");
+    return nullptr;
+  }
+  Py_INCREF(var);
+  Py_XSETREF(g_batch_invariant_var, var);
+  Py_RETURN_NONE;
+}
+
+// _add_batch_invariant_blocks(delta): +1 when a batch_invariant block opens, -1 when it closes.
+PyObject* py_add_batch_invariant_blocks(PyObject*, PyObject* delta) {
+  const long d = PyLong_AsLong(delta);
+  if (d == -1 && PyErr_Occurred()) return nullptr;
+  g_open_batch_invariant.fetch_add(int(d), std::memory_order_relaxed);
+  Py_RETURN_NONE;
 }
 
 // _selected_backend(device) -> name: what a public op would run on for tensors on `device`
@@ -227,7 +272,9 @@ PyMethodDef g_methods[] = {
     {"_add_override", py_add_override, METH_O, "count of open use_backend blocks += delta"},
     {"_swap_call_backend", py_swap_call_backend, METH_O, "force the next call's backend on this thread"},
     {"_selected_backend", py_selected_backend, METH_O, "the backend a public op picks for a device"},
-    {"_swap_batch_invariant", py_swap_batch_invariant, METH_O, "this thread's batch-invariant mode (-1/0/1)"},
+    {"_set_batch_invariant_var", py_set_batch_invariant_var, METH_O, "the ContextVar of batch_invariant"},
+    {"_add_batch_invariant_blocks", py_add_batch_invariant_blocks, METH_O,
+     "count of open batch_invariant blocks += delta"},
     {nullptr, nullptr, 0, nullptr},
 };
 

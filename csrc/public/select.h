@@ -18,8 +18,8 @@ const char* backend_namespace(int backend);  // "paged_cpu", ...
 int select_backend(const c10::Device& device);
 
 // The batch-invariant mode of one attention call: its own batch_invariant argument, else the
-// innermost paged_ops.batch_invariant(enabled) block open on this thread, else
-// PAGED_OPS_BATCH_INVARIANT=1 (read per call).
+// innermost paged_ops.batch_invariant(enabled) block open in the caller's context (a ContextVar:
+// this thread and this asyncio task), else PAGED_OPS_BATCH_INVARIANT=1 (read per call).
 bool batch_invariant_mode(bool requested);
 
 // The methods of the paged_ops._C Python module (NULL-terminated).

@@ -4,11 +4,37 @@ Exports one function per ``paged`` op with the op's signature (inputs are valida
 router before they get here), ``DEVICES`` and ``is_available()``. Under the Triton
 interpreter (``TRITON_INTERPRET=1``, set before triton is imported) the kernels also run on
 CPU tensors, which is how the test-suite exercises them without a GPU.
+
+Threads: compiled (GPU) launches from several Python threads run concurrently, without a lock.
+Triton's interpreter is not thread-safe (a launch patches ``triton.language`` for its duration and
+keeps its state in globals; two threads at once raise ``InterpreterError`` or compute wrong
+values), so under ``TRITON_INTERPRET=1`` every op entry point here takes one process-wide lock:
+concurrent calls are correct, one at a time.
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 
+# Read once, as triton itself does when it decorates the kernels at their modules' import (below).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Re-entrant: an entry point may call another on the same thread.
+_INTERPRETER_LOCK = threading.RLock()
+
+
+def _serialized(fn):
+    """``fn`` itself where kernels are compiled; under the interpreter, ``fn`` holding the
+    interpreter lock (one launch at a time in the process)."""
+    if not INTERPRETED:
+        return fn
+
+    @functools.wraps(fn)
+    def one_at_a_time(*args, **kwargs):
+        with _INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    return one_at_a_time
 
 
 def _interpreter_works() -> bool:
@@ -42,6 +68,11 @@ try:
     from .prefill import prefill_attention
 except ImportError as e:  # triton missing or too old: the router sees is_available() == False
     _IMPORT_ERROR = e
+else:
+    (reshape_and_cache, decode_attention, prefill_attention, merge_attention_states, quantize_fp8, dequantize_fp8,
+     copy_blocks, swap_blocks) = map(_serialized, (reshape_and_cache, decode_attention, prefill_attention,
+                                                   merge_attention_states, quantize_fp8, dequantize_fp8,
+                                                   copy_blocks, swap_blocks))
 
 
 def config_for(op: str, *args) -> dict:
