@@ -23,6 +23,13 @@ from .backends import _register
 _register()
 
 
+def _check_mode(batch_invariant) -> None:
+    # torch's argument parser turns any int into a bool before the op sees it (batch_invariant=2
+    # would be True), so the wrappers check the type; torch.ops.paged.* itself cannot tell.
+    if type(batch_invariant) is not bool:
+        raise TypeError(f"batch_invariant must be a bool (True / False), got {type(batch_invariant).__name__}")
+
+
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Store each token's K/V in its cache slot; specification: ``paged_ops.reference.reshape_and_cache``."""
     torch.ops.paged.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
@@ -33,6 +40,7 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                      alibi_slopes=None, lse=None, batch_invariant=False, window_right=-1) -> None:
     """One query token per sequence; specification: ``paged_ops.reference.decode_attention``
     (the keyword-only variants: ``paged_ops.reference.attention``)."""
+    _check_mode(batch_invariant)
     torch.ops.paged.decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                      scale, k_scale, v_scale, softcap=softcap, window_left=window_left,
                                      sinks=sinks, alibi_slopes=alibi_slopes, lse=lse,
@@ -44,6 +52,7 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
                       window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False,
                       window_right=-1) -> None:
     """Varlen paged attention; specification: ``paged_ops.reference.prefill_attention``."""
+    _check_mode(batch_invariant)
     torch.ops.paged.prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q,
                                       seq_lens, max_seqlen_q, scale, causal, k_scale, v_scale,
                                       softcap=softcap, window_left=window_left, sinks=sinks,

@@ -750,9 +750,13 @@ def mode_seen(monkeypatch):
     from paged_ops import backends
 
     seen = []
-    fake = types.SimpleNamespace(DEVICES=("cpu", "cuda"), is_available=lambda: True,
-                                 decode_attention=lambda *args: seen.append(("decode", args[-1])),
-                                 prefill_attention=lambda *args: seen.append(("prefill", args[-1])))
+    # The kernel takes every schema argument positionally; find batch_invariant by its name.
+    position = {op: [a.name for a in getattr(torch.ops.paged, op).default._schema.arguments].index("batch_invariant")
+                for op in ("decode_attention", "prefill_attention")}
+    fake = types.SimpleNamespace(
+        DEVICES=("cpu", "cuda"), is_available=lambda: True,
+        decode_attention=lambda *args: seen.append(("decode", args[position["decode_attention"]])),
+        prefill_attention=lambda *args: seen.append(("prefill", args[position["prefill_attention"]])))
     monkeypatch.setattr(backends, "_triton", lambda: fake)
     monkeypatch.setattr(backends, "_is_available", lambda name: True)
     monkeypatch.delenv("PAGED_OPS_BATCH_INVARIANT", raising=False)
@@ -820,7 +824,7 @@ def test_batch_invariant_reaches_decode(mode_seen, monkeypatch):
     from paged_ops import backends
 
     seen = []
-    monkeypatch.setattr(backends._triton(), "decode_attention", lambda *args: seen.append(args[-1]))
+    monkeypatch.setattr(backends._triton(), "decode_attention", lambda *args: seen.append(args[-2]))  # batch_invariant
     d = decode_case()
     with paged_ops.batch_invariant():
         backends.Backend("triton").decode_attention(*d.decode_args(nan_like(d.query)))
@@ -834,7 +838,7 @@ def test_batch_invariant_around_a_compiled_call(mode_seen):
     from paged_ops import backends
 
     seen = []
-    backends._triton().prefill_attention = lambda *args: seen.append(args[-1])
+    backends._triton().prefill_attention = lambda *args: seen.append(args[-2])  # batch_invariant (window_right last)
     c = small_case()
 
     def step(query):

@@ -486,3 +486,17 @@ def test_vllm_cache_halves_are_not_an_overlap(backend):
     with pytest.raises(ValueError, match="out overlaps value_cache"):
         paged_ops.backend(backend).decode_attention(vc[5, 0:1], torch.randn(1, 2, 64, device=device), kc, vc,
                                                     tables, lens, 0.125)
+
+
+# --- item 7: batch_invariant must be a bool -----------------------------------------------------
+
+@pytest.mark.parametrize("mode", (1, 0, 2, 1.0, None, "yes"))
+def test_wrappers_take_only_a_bool_batch_invariant(mode):
+    # torch.ops' parser converts an int to a bool silently (as for every bool argument of every
+    # torch op); the paged_ops wrappers, where Python sees the value, refuse anything else.
+    c = make_case([10], [3], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        paged_ops.prefill_attention(*c.prefill_args(nan_like(c.query)), batch_invariant=mode)
+    d = make_case([10], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
+    with pytest.raises(TypeError, match="batch_invariant"):
+        paged_ops.decode_attention(*d.decode_args(nan_like(d.query)), batch_invariant=mode)
