@@ -272,7 +272,7 @@ def merge_inputs(num_tokens, num_heads, head_size, dtype, seed, special=True):
         po[0, 0] = math.nan
         b[1, 0] = -math.inf                  # the suffix contributes nothing
         so[1, 0] = math.nan
-        a[2, 0] = b[2, 0] = -math.inf        # neither: NaN row, lse -inf
+        a[2, 0] = b[2, 0] = -math.inf        # neither: out 0, lse -inf (#27)
         a[0, -1], b[0, -1] = 80.0, -80.0     # far apart: no overflow
     return po, a, so, b
 
@@ -425,6 +425,20 @@ def test_prefill_launch_configs(launch_config, kv_tile, threads):
 
 
 # ---- the emulator itself -----------------------------------------------------------------------
+@pytest.mark.parametrize("n", [32, 96, 100])
+def test_emu_block_votes(n):
+    # __syncthreads_or / _count / _and (the tensor-core prefill's edge tiles vote with _or): every
+    # thread gets the block's answer, and one barrier's count does not leak into the next.
+    with_7 = torch.randint(0, 50, (n,), dtype=torch.int32)
+    with_7[n // 3] = 7
+    for x in (with_7, torch.full((n,), 8, dtype=torch.int32)):
+        votes = selftest.block_votes(x)
+        want = [int((x == 7).any()), int((x % 2 == 0).sum()), int((x >= 0).all()), 0]
+        assert votes.tolist() == [want] * n
+    x[n - 1] = -1
+    assert selftest.block_votes(x)[:, [2, 3]].tolist() == [[0, 1]] * n
+
+
 @pytest.mark.parametrize("n", [32, 64, 96, 100])
 def test_emu_warp_ops(n):
     x = torch.randint(0, 50, (n,), dtype=torch.int32)

@@ -32,6 +32,18 @@ __global__ void warp_ops_kernel(const int* in, int* out, unsigned* counter) {
   o[8] = s[blockDim.x - 1 - t];
 }
 
+// Per thread t: 4 block-wide votes over in[] (see block_votes below), back to back, so a count
+// that leaked from one barrier into the next would show.
+__global__ void block_votes_kernel(const int* in, int* out) {
+  const int t = threadIdx.x;
+  const int v = in[t];
+  int* o = out + t * 4;
+  o[0] = __syncthreads_or(v == 7);
+  o[1] = __syncthreads_count(v % 2 == 0);
+  o[2] = __syncthreads_and(v >= 0);
+  o[3] = __syncthreads_or(v < 0);
+}
+
 // Blocks increment one counter: atomics across the OpenMP threads running blocks.
 __global__ void atomic_kernel(int* counter, float* fsum) {
   atomicAdd(counter, 1);
@@ -403,6 +415,15 @@ at::Tensor warp_ops(const at::Tensor& in) {
   return at::cat({out.reshape(-1), counter});
 }
 
+// [n, 4]: any in == 7, count of even in, all in >= 0, any in < 0 (one block of n threads).
+at::Tensor block_votes(const at::Tensor& in) {
+  TORCH_CHECK(in.scalar_type() == at::kInt && in.dim() == 1 && in.is_contiguous());
+  const int n = int(in.numel());
+  at::Tensor out = at::full({n, 4}, -999, in.options());
+  cuda_emu::launch(block_votes_kernel, dim3(1), dim3(n), 0, in.data_ptr<int>(), out.data_ptr<int>());
+  return out;
+}
+
 std::vector<double> atomics(int64_t blocks, int64_t threads) {
   int counter = 0;
   float fsum = 0.f;
@@ -433,6 +454,7 @@ void misuse(const std::string& what) {
 TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("warp_ops(Tensor input) -> Tensor", &warp_ops);
   m.def("atomics(int blocks, int threads) -> float[]", &atomics);
+  m.def("block_votes(Tensor input) -> Tensor", &block_votes);
   m.def("misuse(str what) -> ()", &misuse);
   m.def("mma(Tensor A, Tensor B) -> Tensor", &mma);
   m.def("mma_ptx(Tensor A, Tensor B, int mutation) -> Tensor[]", &mma_ptx);

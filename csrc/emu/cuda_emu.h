@@ -240,6 +240,10 @@ struct BlockRun {
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
   unsigned bar_arrived = 0;
+  // __syncthreads_or/_count/_and: the predicates counted by the threads at the current barrier,
+  // and the count of the last completed one (read by each thread after the barrier releases it;
+  // no thread can complete the next barrier before every thread has read it).
+  unsigned bar_count = 0, bar_result = 0;
   unsigned done = 0;
   char* dyn_smem = nullptr;
   size_t dyn_smem_bytes = 0;
@@ -328,6 +332,7 @@ inline void run_block(BlockRun& b) {
   Worker& w = worker();
   w.block = &b;
   b.bar_arrived = 0;
+  b.bar_count = b.bar_result = 0;
   b.done = 0;
   b.error = nullptr;
   for (unsigned i = 0; i < b.nthreads; ++i) {
@@ -851,7 +856,16 @@ inline void check_launch_bounds(unsigned max_threads) {
 #define gridDim (::cuda_emu::detail::blk().grid)
 constexpr int warpSize = 32;
 
-inline void __syncthreads() {
+// __syncthreads with a block-wide count of `pred` (CUDA's __syncthreads_count; _or and _and below):
+// every thread gets the number of threads of the block whose pred was non-zero.
+inline int __syncthreads_count(int pred);
+inline void __syncthreads() { (void)__syncthreads_count(0); }
+inline int __syncthreads_or(int pred) { return __syncthreads_count(pred) != 0; }
+inline int __syncthreads_and(int pred) {
+  return unsigned(__syncthreads_count(pred)) == cuda_emu::detail::blk().nthreads;
+}
+
+inline int __syncthreads_count(int pred) {
   using namespace cuda_emu::detail;
   BlockRun& b = blk();
   Fiber& f = cur();
@@ -864,14 +878,18 @@ inline void __syncthreads() {
   if (b.done > 0)
     fail("__syncthreads reached after " + std::to_string(b.done) +
          " thread(s) of the block exited (barrier not reached by every thread)");
+  if (pred) ++b.bar_count;
   if (++b.bar_arrived == b.nthreads) {
     b.bar_arrived = 0;
+    b.bar_result = b.bar_count;
+    b.bar_count = 0;
     for (Fiber& o : b.fibers)
       if (o.state == FiberState::WaitBlock) o.state = FiberState::Runnable;
   } else {
     f.state = FiberState::WaitBlock;
     yield();
   }
+  return int(b.bar_result);
 }
 
 inline void __syncwarp(unsigned mask = 0xffffffffu) { cuda_emu::detail::warp_exchange(mask, 0); }
