@@ -14,6 +14,7 @@
 #include <climits>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "attention_variants.h"
@@ -40,6 +41,7 @@ struct Target {
   // null for the kernels' defaults.
   LaunchConfig (*tuned_config)(const AttentionParams& p, bool decode);
   const MergeLauncher* merge;
+  const MergeStatesLauncher* merge_states;
 };
 
 // An explicit configuration (the test namespace's *_config ops), else the target's choice.
@@ -79,9 +81,9 @@ inline LaunchConfig config_from_list(at::IntArrayRef c) {
 }
 
 inline const float* scale_ptr(const OptTensor& s) { return s ? s->data_ptr<float>() : nullptr; }
-inline bool per_head(const OptTensor& s) { return s && s->numel() > 1; }
 
-// The cache fields AttentionParams and ReshapeCacheParams share: pointers, strides, fp8 scales.
+// The cache fields AttentionParams and ReshapeCacheParams share: pointers, strides, fp8 scales (their
+// strides: per P, since reshape_and_cache's scales have no sequence dimension).
 template <typename P>
 void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, const OptTensor& k_scale,
                       const OptTensor& v_scale) {
@@ -89,8 +91,13 @@ void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, 
   p.value_cache = value_cache.data_ptr();
   p.k_scale = scale_ptr(k_scale);
   p.v_scale = scale_ptr(v_scale);
-  p.k_scale_per_head = per_head(k_scale);
-  p.v_scale_per_head = per_head(v_scale);
+  const ScaleStrides ks = scale_strides(k_scale), vs = scale_strides(v_scale);
+  if constexpr (std::is_same_v<P, AttentionParams>) {
+    p.k_scale_seq_stride = ks.seq_stride;
+    p.v_scale_seq_stride = vs.seq_stride;
+  }
+  p.k_scale_head_stride = ks.head_stride;
+  p.v_scale_head_stride = vs.head_stride;
   p.cache_dtype = dtype_code(key_cache.scalar_type());
   p.block_size = int_size(key_cache.size(1), "block_size");
   p.k_stride_block = key_cache.stride(0);
@@ -131,6 +138,7 @@ inline AttentionParams attention_params(const Tensor& out, const Tensor& query, 
   p.num_sms = num_sms;
   p.softcap = float(variants.softcap);
   p.window_left = variants.window_left;
+  p.window_right = variants.window_right;
   p.sinks = variants.sinks_ptr();
   p.alibi_slopes = variants.alibi_slopes_ptr();
   p.lse = variants.lse_ptr();
@@ -198,6 +206,35 @@ inline void merge_attention_states(const Target& tgt, Tensor& out, const OptTens
               chunk_aligned(p.suffix_out, p.dtype, {p.suffix_stride_token, p.suffix_stride_head});
   p.max_blocks = std::max(tgt.num_sms, 1) * 8;
   (*tgt.merge)(p, tgt.stream);
+}
+
+// states [num_tokens, num_states, num_heads, head_size] and their lses [num_tokens, num_states,
+// num_heads] by any strides (last dim of states contiguous); vector loads when every row allows.
+inline void merge_states(const Target& tgt, Tensor& out, const OptTensor& out_lse, const Tensor& states,
+                         const Tensor& states_lse) {
+  if (out.size(0) == 0 || out.size(1) == 0) return;
+  MergeStatesParams p{};
+  p.out = out.data_ptr();
+  p.out_lse = out_lse ? out_lse->data_ptr<float>() : nullptr;
+  p.states = states.data_ptr();
+  p.states_lse = states_lse.data_ptr<float>();
+  p.o_stride_token = out.stride(0);
+  p.o_stride_head = out.stride(1);
+  p.s_stride_token = states.stride(0);
+  p.s_stride_state = states.stride(1);
+  p.s_stride_head = states.stride(2);
+  p.lse_stride_token = states_lse.stride(0);
+  p.lse_stride_state = states_lse.stride(1);
+  p.lse_stride_head = states_lse.stride(2);
+  p.dtype = dtype_code(out.scalar_type());
+  p.num_tokens = out.size(0);
+  p.num_states = states.size(1);
+  p.num_heads = int_size(out.size(1), "num_heads");
+  p.head_size = int_size(out.size(2), "head_size");
+  p.aligned = p.head_size % 8 == 0 && chunk_aligned(p.out, p.dtype, {p.o_stride_token, p.o_stride_head}) &&
+              chunk_aligned(p.states, p.dtype, {p.s_stride_token, p.s_stride_state, p.s_stride_head});
+  p.max_blocks = std::max(tgt.num_sms, 1) * 8;
+  (*tgt.merge_states)(p, tgt.stream);
 }
 
 inline void reshape_and_cache(const Target& tgt, const Tensor& key, const Tensor& value, Tensor& key_cache,

@@ -50,7 +50,7 @@ B::Target target(const at::Device& device) {
   const int index = device.index() >= 0 ? device.index() : c10::cuda::current_device();
   return B::Target{&paged::kCudaDecode, &paged::kCudaPrefill, &paged::kCudaCache,
                    c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes, tuned,
-                   &paged::kCudaMerge};
+                   &paged::kCudaMerge, &paged::kCudaMergeStates};
 }
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
@@ -90,6 +90,10 @@ void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor&
                             const Tensor& suffix_out, const Tensor& suffix_lse) {
   const c10::cuda::CUDAGuard guard(out.device());
   B::merge_attention_states(target(out.device()), out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
+}
+void merge_states(Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  B::merge_states(target(out.device()), out, out_lse, states, states_lse);
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
   const c10::cuda::CUDAGuard guard(input.device());
@@ -149,6 +153,7 @@ TORCH_LIBRARY_IMPL(paged_cuda, CUDA, m) {
   m.impl("decode_attention", &paged_cuda::decode_attention);
   m.impl("prefill_attention", &paged_cuda::prefill_attention);
   m.impl("merge_attention_states", &paged_cuda::merge_attention_states);
+  m.impl("merge_states", &paged_cuda::merge_states);
   m.impl("quantize_fp8", &paged_cuda::quantize_fp8);
   m.impl("dequantize_fp8", &paged_cuda::dequantize_fp8);
   m.impl("copy_blocks", &paged_cuda::copy_blocks);

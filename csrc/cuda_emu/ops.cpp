@@ -28,7 +28,7 @@ void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream) { std::
 // What the GPU heuristics see on the emulator: an H100-sized device (132 SMs), so the emulated
 // launches take the same decisions (one-pass vs split-KV) as the GPU would at the same shapes.
 const B::Target kTarget{&paged::kEmuDecode, &paged::kEmuPrefill, &paged::kEmuCache, nullptr, 132, copy_bytes,
-                        nullptr, &paged::kEmuMerge};
+                        nullptr, &paged::kEmuMerge, &paged::kEmuMergeStates};
 
 void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
                        const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
@@ -50,6 +50,9 @@ void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache
 void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out, const Tensor& prefix_lse,
                             const Tensor& suffix_out, const Tensor& suffix_lse) {
   B::merge_attention_states(kTarget, out, out_lse, prefix_out, prefix_lse, suffix_out, suffix_lse);
+}
+void merge_states(Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse) {
+  B::merge_states(kTarget, out, out_lse, states, states_lse);
 }
 void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) { B::quantize_fp8(kTarget, out, input, scale); }
 void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
@@ -80,25 +83,46 @@ void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& ke
                        max_seqlen_q, scale, causal, k_scale, v_scale, paged::attention_variants(PAGED_OPS_VARIANT_ARGS));
 }
 
-// decode_attention_config (with an optional sliding window) that also returns how many bytes its
-// kernels read from the two KV caches' storages (through the kernels' load helpers). Tests compare
-// it with the bytes of the live tokens to prove each KV token is read once per query group, and
-// that a window reads only its own tokens.
-int64_t decode_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config,
-                             int64_t window_left) {
+// How many bytes `run` makes the kernels read from the two KV caches' storages (through the
+// kernels' load helpers).
+template <typename F>
+int64_t kv_bytes_read(const Tensor& key_cache, const Tensor& value_cache, F&& run) {
   auto range = [](const Tensor& t) { return std::make_pair(t.storage().data(), t.storage().nbytes()); };
   const auto k = range(key_cache), v = range(value_cache);
   paged::emu_load_watch_begin(k.first, k.second, v.first, v.second);
   try {
-    decode_attention_config(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                            config, 0.0, window_left, std::nullopt, std::nullopt, std::nullopt, false);
+    run();
   } catch (...) {
     paged::emu_load_watch_end();
     throw;
   }
   return int64_t(paged::emu_load_watch_end());
+}
+
+// decode_attention_config (with optional sliding windows) that also returns how many bytes its
+// kernels read from the two KV caches. Tests compare it with the bytes of the live tokens to prove
+// each KV token is read once per query group, and that a window reads only its own tokens.
+int64_t decode_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                             const Tensor& block_tables, const Tensor& seq_lens, double scale,
+                             const OptTensor& k_scale, const OptTensor& v_scale, at::IntArrayRef config,
+                             int64_t window_left, int64_t window_right) {
+  return kv_bytes_read(key_cache, value_cache, [&] {
+    decode_attention_config(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
+                            config, 0.0, window_left, std::nullopt, std::nullopt, std::nullopt, false, window_right);
+  });
+}
+// The same for prefill_attention_config: a window (left, right, or both) must cost O(window) keys
+// per row tile (batch_invariant: per row, through the decode kernel), not O(seq_len).
+int64_t prefill_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
+                              const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
+                              int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
+                              const OptTensor& v_scale, at::IntArrayRef config, int64_t window_left,
+                              int64_t window_right, bool batch_invariant) {
+  return kv_bytes_read(key_cache, value_cache, [&] {
+    prefill_attention_config(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
+                             scale, causal, k_scale, v_scale, config, 0.0, window_left, std::nullopt, std::nullopt,
+                             std::nullopt, batch_invariant, window_right);
+  });
 }
 
 }  // namespace
@@ -111,6 +135,7 @@ TORCH_LIBRARY_IMPL(paged_cuda_emu, CPU, m) {
   m.impl("decode_attention", &paged_cuda_emu::decode_attention);
   m.impl("prefill_attention", &paged_cuda_emu::prefill_attention);
   m.impl("merge_attention_states", &paged_cuda_emu::merge_attention_states);
+  m.impl("merge_states", &paged_cuda_emu::merge_states);
   m.impl("quantize_fp8", &paged_cuda_emu::quantize_fp8);
   m.impl("dequantize_fp8", &paged_cuda_emu::dequantize_fp8);
   m.impl("copy_blocks", &paged_cuda_emu::copy_blocks);
@@ -128,11 +153,16 @@ TORCH_LIBRARY(paged_cuda_emu_test, m) {
         "Tensor? k_scale, Tensor? v_scale, int[] config, " PAGED_OPS_SCHEMA_ATTENTION_VARIANTS ") -> ()");
   m.def("decode_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, float scale, Tensor? k_scale, Tensor? v_scale, int[] config, "
-        "int window_left=-1) -> int");
+        "int window_left=-1, int window_right=-1) -> int");
+  m.def("prefill_kv_bytes_read(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
+        "Tensor? k_scale, Tensor? v_scale, int[] config, int window_left=-1, int window_right=-1, "
+        "bool batch_invariant=False) -> int");
 }
 
 TORCH_LIBRARY_IMPL(paged_cuda_emu_test, CPU, m) {
   m.impl("decode_attention_config", &paged_cuda_emu::decode_attention_config);
   m.impl("prefill_attention_config", &paged_cuda_emu::prefill_attention_config);
   m.impl("decode_kv_bytes_read", &paged_cuda_emu::decode_kv_bytes_read);
+  m.impl("prefill_kv_bytes_read", &paged_cuda_emu::prefill_kv_bytes_read);
 }

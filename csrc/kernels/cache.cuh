@@ -26,11 +26,11 @@ __global__ void __launch_bounds__(256) reshape_and_cache_kernel(ReshapeCachePara
       float x[8];
       load8(static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + d, x, aligned);
       store8(slot_row<C>(p.key_cache, slot, p.block_size, p.k_stride_block, p.k_stride_token, p.k_stride_head, h) + d,
-             x, aligned, cache_scale(p.k_scale, p.k_scale_per_head, h));
+             x, aligned, cache_scale(p.k_scale, 0, p.k_scale_head_stride, 0, h));
       load8(static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + d, x, aligned);
       store8(slot_row<C>(p.value_cache, slot, p.block_size, p.v_stride_block, p.v_stride_token, p.v_stride_head, h) +
                  d,
-             x, aligned, cache_scale(p.v_scale, p.v_scale_per_head, h));
+             x, aligned, cache_scale(p.v_scale, 0, p.v_scale_head_stride, 0, h));
     }
   }
 }

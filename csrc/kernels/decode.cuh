@@ -31,8 +31,11 @@
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
 // through shared memory at the end. fp8 caches are dequantised in registers (value * scale).
 //
-// Tokens at or past seq_len are never loaded: cache slots there may hold NaN, and a 0 probability
-// times a NaN value would still be NaN.
+// Only the row's visible keys are ever loaded (a block's KV loop runs over exactly its row's
+// span): cache slots past seq_len may hold NaN, and a key hidden from the row by the mask may hold
+// inf or NaN, and a 0 probability times either would still be NaN. A row that sees no key (seq_len
+// 0, a prefill row before the cache under causal alignment, a window that excludes everything)
+// writes out 0 and lse -inf or its sink's (finish_softmax, kernels/common.cuh) and reads nothing.
 //
 // Split-KV (flash-decoding). With few sequences x KV heads the one-pass grid cannot fill the GPU,
 // so the context is cut into partitions of `partition_size` tokens along gridDim.z; each writes a
@@ -42,9 +45,10 @@
 // partition, so a given key range is always cut the same way.
 //
 // Variants (paged_ops/reference.py attention), all runtime values uniform over a launch:
-//  * window_left: a row sees keys [p - window_left, p]; the KV loop starts at the first visible
-//    key (blocks before it are never read), and the plan sizes the partitions by the window, so
-//    the cost is O(window), not O(context);
+//  * window_left / window_right: a row sees keys [p - window_left, p] (causal) or
+//    [p - window_left, p + window_right]; the KV loop runs over exactly those (blocks outside are
+//    never read), and the plan sizes the partitions by the window, so the cost is O(window), not
+//    O(context);
 //  * softcap: q is then pre-scaled by `scale` only, and s = softcap * log2(e) * tanh(s / softcap)
 //    moves the capped score into the log2 domain; alibi_slopes add slope * log2(e) * (j - p);
 //  * sinks: one more logit per head in the denominator, added once where the row's state is final
@@ -53,7 +57,8 @@
 // Rows. Decode has one row per sequence (p = seq_len - 1). With p.cu_seqlens_q set, the rows are
 // prefill_attention's query rows (the batch-invariant mode runs prefill through this kernel): a
 // row finds its sequence by binary search over cu_seqlens_q, p = seq_len - q_len + i, and a causal
-// row sees keys < p + 1 — exactly a decode of seq_len p + 1, so both give the same bits.
+// row sees keys < p + 1 — exactly a decode of seq_len p + 1, so both give the same bits (a row with
+// p < 0 sees nothing, as a decode of seq_len 0).
 #pragma once
 #include "kernels/common.cuh"
 #include "kernels/params.h"
@@ -68,9 +73,8 @@ namespace decode {
 
 // ---- stages shared by both kernels ------------------------------------------------------------
 
-constexpr float kLn2 = 0.6931471805599453f;
-
-// The query row a block serves and the keys it sees: [begin, end).
+// The query row a block serves and the keys it sees: [begin, end) (visible_keys, empty when
+// begin >= end).
 struct RowSpan {
   int64_t seq;  // its sequence: block-table row and seq_lens entry
   int pos;      // the query's position p
@@ -93,15 +97,14 @@ __device__ __forceinline__ RowSpan row_span(const AttentionParams& p, int64_t ro
     seq_len = p.seq_lens[lo];
     const int q0 = p.cu_seqlens_q[lo], q_len = p.cu_seqlens_q[lo + 1] - q0;
     r.pos = seq_len - q_len + int(row - q0);
-    r.end = p.causal ? r.pos + 1 : seq_len;
   } else {
     r.seq = row;
     seq_len = p.seq_lens[row];
-    r.pos = seq_len - 1;
-    r.end = seq_len;
+    r.pos = seq_len - 1;  // causal: decode_attention's params say so
   }
-  const int64_t first = int64_t(r.pos) - p.window_left;
-  r.begin = p.window_left >= 0 && first > 0 ? int(first) : 0;
+  const KeyRange keys = visible_keys(p, r.pos, seq_len);
+  r.begin = keys.lo;
+  r.end = keys.hi;
   return r;
 }
 
@@ -110,7 +113,9 @@ __device__ __forceinline__ RowSpan row_span(const AttentionParams& p, int64_t ro
 __device__ __forceinline__ int64_t first_partition_token(const RowSpan& r, int partition_size) {
   return int64_t(r.begin / partition_size) * partition_size;
 }
+// 0 for a row that sees no key.
 __device__ __forceinline__ int row_partitions(const RowSpan& r, int partition_size) {
+  if (r.begin >= r.end) return 0;
   return int((r.end - first_partition_token(r, partition_size) + partition_size - 1) / partition_size);
 }
 
@@ -215,14 +220,16 @@ struct OnlineSoftmax {
   }
   // Folds one token's scores into the running max and sum, rescales the accumulators to the new
   // max, and turns s into the token's probabilities. A NaN score gives NaN probabilities (and so a
-  // NaN row), as in the reference.
+  // NaN row), as in the reference; a -inf score (an infinite query or key) has probability 0, not
+  // exp2(-inf - -inf) = NaN while the row has seen nothing finite yet.
   __device__ __forceinline__ void update_softmax(float (&s)[G], int gcount) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       if (g < gcount) {
         const float mn = fmaxf(m[g], s[g]);
-        const float a = exp2f(m[g] - mn);  // m = -inf on the first token: a = 0
-        s[g] = exp2f(s[g] - mn);
+        // 0 at the first finite score (m = -inf); 1 while none (-inf - -inf would be NaN)
+        const float a = mn == -INFINITY ? 1.f : exp2f(m[g] - mn);
+        s[g] = s[g] == -INFINITY ? 0.f : exp2f(s[g] - mn);
         l[g] = l[g] * a + s[g];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[g][i] *= a;
@@ -251,16 +258,17 @@ struct Dest {
   float* tmp_ml;
 };
 
-// The row's final state (m, l, acc in the log2 domain) with the head's sink added: one more term
-// exp2(sink * log2 e) in the denominator, none in the numerator. m = -inf (no key) gives out 0.
-__device__ __forceinline__ void add_sink(const AttentionParams& p, int head, float& M, float& L, float& A) {
-  if (!p.sinks) return;
-  const float s2 = p.sinks[head] * kLog2e;
-  const float Mf = fmaxf(M, s2);
-  const float r = exp2f(M - Mf);
-  L = L * r + exp2f(s2 - Mf);
-  A *= r;
-  M = Mf;
+// A row that sees no key (one pass: the block's heads head0 .. head0 + nheads - 1): out 0 and lse
+// -inf, or the sink's (finish_softmax). Every thread of the block calls it, then the block exits.
+template <typename T>
+__device__ __forceinline__ void store_empty_row(const AttentionParams& p, int64_t row, int head0, int nheads) {
+  const int D = p.head_size;
+  for (int idx = threadIdx.x; idx < nheads * D; idx += blockDim.x) {
+    const int head = head0 + idx / D, d = idx % D;
+    const RowEnd e = finish_softmax(-INFINITY, 0.f, p.sinks, head);
+    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(0.f * e.inv);
+    if (p.lse && d == 0) p.lse[row * p.num_heads + head] = e.lse;
+  }
 }
 
 // Merges the token groups' states through shared memory `sm` (merge_floats(ntg, gstride, D)) and
@@ -303,9 +311,9 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
     }
     const int head = head0 + h;
     if (!o.split) {
-      add_sink(p, head, M, L, A);
-      static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A / L);
-      if (p.lse && d == 0) p.lse[o.row * p.num_heads + head] = (M + log2f(L)) * kLn2;
+      const RowEnd e = finish_softmax(M, L, p.sinks, head);  // L = 0: no finite score (out 0)
+      static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A * e.inv);
+      if (p.lse && d == 0) p.lse[o.row * p.num_heads + head] = e.lse;
     } else {
       const size_t row = (size_t(o.row) * p.num_heads + head) * o.num_partitions + o.part;
       o.tmp_out[row * D + d] = A / L;
@@ -331,7 +339,11 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool spl
   const RowSpan rs = row_span(p, row);
   int start, end;
   partition_keys(rs, split, partition_size, part, start, end);
-  if (start >= end) return;  // whole block leaves together: no barrier is skipped by a subset
+  if (start >= end) {  // whole block leaves together: no barrier is skipped by a subset
+    // A split row's empty partitions write nothing (the reduce reads only the row's partitions).
+    if (!split) store_empty_row<T>(p, row, kvh * group, group);
+    return;
+  }
   const int64_t seq = rs.seq;
   const int D = p.head_size;
 
@@ -348,8 +360,8 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool spl
   load_q<T>(q, p, row, head0, group, d0, active);
   ScoreMod<kGroupTile> mod;
   mod.init(p, head0, rs.pos);
-  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
-  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
+  const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
   OnlineSoftmax<kGroupTile> st;
@@ -406,7 +418,13 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
   const RowSpan rs = row_span(p, row);
   int start, end;
   partition_keys(rs, split, partition_size, part, start, end);
-  if (start >= end) return;  // whole block leaves together
+  if (start >= end) {  // whole block leaves together
+    if (!split) {
+      const int hb = hchunk * sk.heads_per_block;
+      store_empty_row<T>(p, row, kvh * group + hb, min(sk.heads_per_block, group - hb));
+    }
+    return;
+  }
   const int64_t seq = rs.seq;
   const int D = p.head_size;
 
@@ -430,8 +448,8 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
   load_q<T>(q, p, row, head0 + tile * kMaxGroupTile, gcount, d0, active);
   ScoreMod<kMaxGroupTile> mod;
   mod.init(p, head0 + tile * kMaxGroupTile, rs.pos);
-  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
-  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
+  const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
   PAGED_DYNAMIC_SMEM(unsigned char, smem, shared_kv_smem(sk, blockDim.x, D));
@@ -497,9 +515,10 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
 }
 
 // Log-sum-exp merge of the split-KV partials of one (row, query head), in one fixed order (partition
-// 0, 1, ...), adding the head's sink once; writes the output and the lse. Every thread computes the
-// partitions' weights itself (no shared memory, so no bound on the partition count) in the same
-// order, so all of them see the same L.
+// 0, 1, ...), adding the head's sink once (finish_softmax); writes the output and the lse. Every
+// thread computes the partitions' weights itself (no shared memory, so no bound on the partition
+// count) in the same order, so all of them see the same L. Only the row's own partitions were
+// written (none for a row that sees no key: out 0, lse -inf or the sink's).
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                             const float* tmp_out, const float* tmp_ml) {
@@ -511,19 +530,22 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
   const size_t row0 = (size_t(row) * p.num_heads + head) * num_partitions;
   float M = -INFINITY;
   for (int j = 0; j < nparts; ++j) M = fmaxf(M, tmp_ml[(row0 + j) * 2]);
-  const float s2 = p.sinks ? p.sinks[head] * kLog2e : -INFINITY;
-  M = fmaxf(M, s2);
   float L = 0.f;
-  for (int j = 0; j < nparts; ++j) L += exp2f(tmp_ml[(row0 + j) * 2] - M) * tmp_ml[(row0 + j) * 2 + 1];
-  if (p.sinks) L += exp2f(s2 - M);
-  const float inv = 1.f / L;
+  // A partition with no finite score (l = 0, m = -inf, out 0 / 0) adds nothing, as in merge_and_store.
+  for (int j = 0; j < nparts; ++j) {
+    const float lj = tmp_ml[(row0 + j) * 2 + 1];
+    if (lj != 0.f) L += exp2f(tmp_ml[(row0 + j) * 2] - M) * lj;
+  }
+  const RowEnd e = finish_softmax(M, L, p.sinks, head);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
-    for (int j = 0; j < nparts; ++j)
-      o += exp2f(tmp_ml[(row0 + j) * 2] - M) * tmp_ml[(row0 + j) * 2 + 1] * tmp_out[(row0 + j) * D + d];
-    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * inv);
+    for (int j = 0; j < nparts; ++j) {
+      const float lj = tmp_ml[(row0 + j) * 2 + 1];
+      if (lj != 0.f) o += exp2f(tmp_ml[(row0 + j) * 2] - M) * lj * tmp_out[(row0 + j) * D + d];
+    }
+    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * e.inv);
   }
-  if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = (M + log2f(L)) * kLn2;
+  if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = e.lse;
 }
 
 // `pl`: plan_decode(p, cfg) (kernels/plan.h), computed once by the binding. `workspace` holds

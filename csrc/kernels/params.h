@@ -41,9 +41,12 @@ struct AttentionParams {
   int64_t max_blocks_per_seq, block_table_stride;
   const int32_t* cu_seqlens_q;  // prefill: [num_seqs + 1]; decode: nullptr
   const int32_t* seq_lens;      // [num_seqs]
-  const float* k_scale;         // fp8 caches: 1 or num_kv_heads elements; nullptr otherwise
+  // fp8 caches: the scale of (sequence s, KV head h) is k_scale[s * k_scale_seq_stride +
+  // h * k_scale_head_stride]: strides (0, 0) per tensor, (0, 1) per KV head, (num_kv_heads, 1) per
+  // sequence and KV head (paged::scale_strides). K and V each have their own. nullptr: not fp8.
+  const float* k_scale;
   const float* v_scale;
-  bool k_scale_per_head, v_scale_per_head;
+  int64_t k_scale_seq_stride, k_scale_head_stride, v_scale_seq_stride, v_scale_head_stride;
   DType dtype, cache_dtype;
   int64_t num_seqs, num_tokens;
   int num_heads, num_kv_heads, head_size, block_size;
@@ -53,9 +56,10 @@ struct AttentionParams {
   float scale;
   bool causal;
   int num_sms;  // of the device, for the split-KV heuristic
-  // The variants (paged_ops/reference.py attention): defaults 0, -1, nullptr, nullptr, nullptr, false.
+  // The variants (paged_ops/reference.py attention): defaults 0, -1, -1, nullptr, nullptr, nullptr, false.
   float softcap;               // > 0: s = softcap * tanh(s / softcap)
-  int64_t window_left;         // >= 0: query at position p sees keys p - window_left .. p
+  int64_t window_left;         // >= 0: query at position p sees no key before p - window_left
+  int64_t window_right;        // >= 0: ... and none after p + window_right (causal stops at p anyway)
   const float* sinks;          // [num_heads]: one more logit per head in the denominator
   const float* alibi_slopes;   // [num_heads]: s += slope * (j - p)
   float* lse;                  // [num_tokens, num_heads], contiguous: ln of the row's denominator
@@ -68,9 +72,10 @@ struct ReshapeCacheParams {
   void* key_cache;    // as AttentionParams
   void* value_cache;
   const int64_t* slot_mapping;  // [num_tokens]; < 0: padding token, skipped
+  // Per tensor (stride 0) or per KV head (stride 1): no sequences here. nullptr: not fp8.
   const float* k_scale;
   const float* v_scale;
-  bool k_scale_per_head, v_scale_per_head;
+  int64_t k_scale_head_stride, v_scale_head_stride;
   DType dtype, cache_dtype;
   int64_t num_tokens;
   int num_kv_heads, head_size, block_size;
@@ -105,6 +110,25 @@ struct MergeParams {
   int64_t num_tokens;
   int num_heads, head_size;
   bool aligned;    // head_size % 8 == 0 and every row of the three tensors starts on an 8-element vector
+  int max_blocks;  // grid cap of the grid-stride loop
+};
+
+// merge_states (paged_ops/reference.py): out [num_tokens, num_heads, head_size] = the log-sum-exp
+// weighted mean of num_states states [num_tokens, num_states, num_heads, head_size] (last dim
+// contiguous, other strides any, 0 included), their lses float32 [num_tokens, num_states, num_heads]
+// by any strides; out_lse float32 [num_tokens, num_heads] contiguous (nullptr: not asked for).
+struct MergeStatesParams {
+  void* out;
+  float* out_lse;
+  const void* states;
+  const float* states_lse;
+  int64_t o_stride_token, o_stride_head;
+  int64_t s_stride_token, s_stride_state, s_stride_head;
+  int64_t lse_stride_token, lse_stride_state, lse_stride_head;
+  DType dtype;
+  int64_t num_tokens, num_states;
+  int num_heads, head_size;
+  bool aligned;    // head_size % 8 == 0 and every row of out and states starts on an 8-element vector
   int max_blocks;  // grid cap of the grid-stride loop
 };
 

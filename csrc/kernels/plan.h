@@ -135,10 +135,13 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
                                 " rows, " + std::to_string(p.num_heads) + " heads)");
   // Upper bound of any context: the block table's width (the real max would need a device sync).
   const int64_t max_ctx = p.max_blocks_per_seq * p.block_size;
-  // The most keys one row sees: a causal row with a window sees window_left + 1 keys at most,
-  // however long its sequence, so the plan (partitions, workspace) is sized by the window.
-  const bool windowed = p.window_left >= 0 && p.causal && p.window_left < max_ctx - 1;  // (no int64 wrap)
-  const int64_t span = windowed ? p.window_left + 1 : max_ctx;
+  // The most keys one row sees: a row with a window on both sides (window_left, and causal or
+  // window_right) sees at most window_left + 1 (+ window_right) keys however long its sequence, so
+  // the plan (partitions, workspace) is sized by the window.
+  const int64_t right = p.causal ? 0 : p.window_right;  // keys after the row's own: -1 = unbounded
+  const bool windowed = p.window_left >= 0 && right >= 0 && p.window_left < max_ctx && right < max_ctx &&
+                        p.window_left + right < max_ctx - 1;  // (no int64 wrap)
+  const int64_t span = windowed ? p.window_left + right + 1 : max_ctx;
   int64_t part;
   if (p.batch_invariant) {
     part = kBatchInvariantPartition;

@@ -15,16 +15,25 @@
 // applied as -inf), update_softmax (online softmax: running max m and sum l per row, log2 domain),
 // compute_pv (O = O * alpha + P V), and at the end store (O / l).
 //
-// A row whose scores hold a NaN, or whose visible scores are all -inf (a NaN or infinite query),
-// is NaN, as in the reference: max() drops NaN, so l, not m, carries it, and l = 0 at the end
-// means no finite score, which divides to NaN rather than 0.
+// A row whose scores hold a NaN is NaN, as in the reference: max() drops NaN, so l, not m, carries
+// it. l = 0 at the end means nothing to weigh: a row that sees no key at all (q_len > seq_len
+// under causal alignment, or windows that exclude everything) or whose visible scores are all -inf
+// is out 0 and lse -inf, or its sink's (finish_softmax, kernels/common.cuh).
+//
+// Masked keys are never read into a row: the mask selects (a hidden key's score is -inf, never
+// its q . k), and a hidden key's V never meets the row's probability 0, since 0 * inf = NaN. The
+// CUDA-core kernel's P V runs over each row's visible keys only; the tensor-core kernel's mma takes
+// a whole tile, so on a tile holding keys hidden from some of its rows (the causal diagonal, a
+// window's edges) non-finite V elements of those keys are staged as 0 and added back, p * v in
+// IEEE arithmetic, to exactly the rows that see them (rare: only when such a value exists).
 //
 // The variants (paged_ops/reference.py attention) are runtime arguments of both kernels: a row at
-// position pos = seq_len - q_len + i sees keys window_start(pos) .. pos (causal) or .. seq_len - 1;
-// compute_qk applies the soft-cap and the ALiBi bias to the visible scores (ScoreMod), and store
-// folds the sink into the row's denominator and writes ln Z to lse (finish_row). A row tile's KV
-// loop starts at the window start of its first (earliest) row, so the tiles before every row's
-// window are never staged: a windowed prefill reads O(window) keys per row tile, not O(seq_len).
+// position pos = seq_len - q_len + i sees keys visible_keys(pos) (kernels/common.cuh: the windows
+// left and right, causal); compute_qk applies the soft-cap and the ALiBi bias to the visible
+// scores (ScoreMod), and store folds the sink into the row's denominator and writes ln Z to lse
+// (finish_row). A row tile's KV loop runs from the window start of its first (earliest) row to the
+// end of its last row's keys, so the tiles outside every row's window are never staged: a windowed
+// prefill reads O(window) keys per row tile, not O(seq_len).
 #pragma once
 #include "kernels/common.cuh"
 #include "kernels/mma.cuh"
@@ -37,17 +46,6 @@
 
 namespace PAGED_KERNEL_NS {
 namespace prefill {
-
-// 1 / l for a finished row: l > 0 for any row with a finite score; otherwise NaN (see above).
-__device__ __forceinline__ float inverse_sum(float l) { return l > 0.f ? 1.f / l : NAN; }
-
-constexpr float kLn2 = 0.6931471805599453f;
-
-// First key a row at position `pos` sees: pos - window_left, or 0 without a window. int64 because
-// window_left may be any size up to INT64_MAX.
-__device__ __forceinline__ int window_start(int64_t window_left, int pos) {
-  return window_left >= 0 && int64_t(pos) - window_left > 0 ? int(int64_t(pos) - window_left) : 0;
-}
 
 // Soft-cap and ALiBi on one visible score, in the kernels' log2 domain. The kernels multiply q.k by
 // qk_mul (the scale, times log2 e unless capped, since the cap applies to the natural-log score);
@@ -73,24 +71,13 @@ __device__ __forceinline__ float alibi_log2(const AttentionParams& p, int head) 
 }
 
 // End of a row with running max m (log2 domain, -inf if no finite score) and sum l: the sink, if
-// any, joins the denominator as one more logit with no value (the output is rescaled by the
-// max's shift), and lse = ln Z = (m + log2 l) ln 2, -inf for a row with nothing (l = 0), written
-// when write_lse. Returns the multiplier of the row's unnormalised accumulator.
+// any, joins the denominator (finish_softmax), lse = ln Z is written when write_lse. Returns the
+// multiplier of the row's unnormalised accumulator.
 __device__ __forceinline__ float finish_row(const AttentionParams& p, float m, float l, int64_t token, int head,
                                             bool write_lse) {
-  float o_mul = 1.f;
-  if (p.sinks) {
-    const float sink = p.sinks[head] * kLog2e;
-    const float mn = fmaxf(m, sink);  // a NaN sink is dropped here and poisons l below
-    if (mn != -INFINITY) {            // both -inf: no key, a sink of weight 0, nothing to add
-      o_mul = exp2f(m - mn);          // m = -inf (no visible key): 0, the row is the sink's 0
-      l = l * o_mul + exp2f(sink - mn);
-      m = mn;
-    }
-    if (sink != sink) l = NAN;
-  }
-  if (p.lse && write_lse) p.lse[token * p.num_heads + head] = (m + log2f(l)) * kLn2;
-  return inverse_sum(l) * o_mul;
+  const RowEnd e = finish_softmax(m, l, p.sinks, head);
+  if (p.lse && write_lse) p.lse[token * p.num_heads + head] = e.lse;
+  return e.inv;
 }
 
 // ---- CUDA-core kernel (any query dtype; fp32 queries always take it) ---------------------------
@@ -126,19 +113,21 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
 
   const ScoreMod mod = score_mod(p, p.scale);
   const float qmul = mod.qk_mul;  // Q is staged pre-multiplied
-  const float kscale = cache_scale(p.k_scale, p.k_scale_per_head, kvh);
-  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
+  const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
+  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
   const int myr = threadIdx.x / 8, myc = threadIdx.x % 8;
 
   // Block-uniform bound: every thread meets every barrier of every tile.
   for (int64_t row0 = slot * BM; row0 < total_rows; row0 += row_tiles * BM) {
     const int nrows = int(min(int64_t(BM), total_rows - row0));
-    const int qi_max = int((row0 + nrows - 1) / group);
-    const int kv_end = p.causal ? seq_len - q_len + qi_max + 1 : seq_len;
-    // The first row has the earliest window: no row of the tile sees a key before it.
-    const int kv_begin = window_start(p.window_left, seq_len - q_len + int(row0 / group));
     auto position = [&](int r) { return seq_len - q_len + int((row0 + r) / group); };
+    // The keys of row r of the tile (none for padding rows).
+    auto row_keys = [&](int r) { return r < nrows ? visible_keys(p, position(r), seq_len) : KeyRange{0, 0}; };
+    // The first row has the earliest keys, the last row the latest: no row of the tile sees a key
+    // before the first's window or after the last's end.
+    const int kv_begin = window_start(p.window_left, position(0));
+    const int kv_end = window_end(p, position(nrows - 1), seq_len);
     __syncthreads();  // the previous tile's store has read rl; Qs is rewritten below
 
     // load_q
@@ -183,7 +172,7 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
         const int r = e / BN, j = e % BN, t = kv0 + j;
         float s = -INFINITY;
         const int pos = position(r);
-        if (r < nrows && t >= window_start(p.window_left, pos) && (p.causal ? t <= pos : t < seq_len)) {
+        if (row_keys(r).contains(t)) {
           s = 0.f;
           const float* qr = Qs + r * D;
           const float* kr = KVs + j * ld;
@@ -222,16 +211,19 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
         }
       }
       __syncthreads();
-      // compute_pv
+      // compute_pv over the row's visible keys of the tile only: a hidden key's probability is 0,
+      // but its V (staged for the rows that see it) may be inf or NaN, and 0 * inf is NaN.
       {
         const float a = ra[myr];
         const float* pr = S + myr * BN;
+        const KeyRange keys = row_keys(myr);
+        const int j0 = max(keys.lo - kv0, 0), j1 = min(keys.hi - kv0, BN);
 #pragma unroll
         for (int k = 0; k < kMaxChunksPerThread; ++k) {
           if (k < nchunks) {
             const int d = myc + 8 * k;
             float sum = 0.f;
-            for (int j = 0; j < BN; ++j) sum += pr[j] * KVs[j * ld + d];
+            for (int j = j0; j < j1; ++j) sum += pr[j] * KVs[j * ld + d];
             acc[k] = acc[k] * a + sum;
           }
         }
@@ -252,19 +244,45 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
   }
 }
 
-// ---- tensor-core kernel (fp16 / bf16 queries) --------------------------------------------------
-// FlashAttention-2 structure on mma.sync m16n8k16 (kernels/mma.cuh): 4 warps, each owning 16 packed
-// rows of a 64-row tile; per KV tile of 32 tokens, S = Q K^T (fp32 accumulators), the mask and the
-// online softmax on the accumulator fragments (a row's values live in the 4 lanes of one quad:
-// two xor-shuffles reduce them), then P is re-packed from the S accumulators straight into A
-// fragments (no shared-memory round trip) and O += P V. Q/K/V sit in shared memory as the query's
-// 16-bit type, rows padded by 8 elements so the fragment loads of a warp hit 32 different banks.
-// head_size is rounded up to 16 with zero columns for the k-steps.
-// fp8 K/V are staged as their raw values, which every fp16/bf16 holds exactly (e5m2's largest is
-// 57344); the scales are applied in fp32, k_scale to the scores and v_scale to the output, so no
-// finite fp8 value x scale overflows the 16-bit tiles.
-// Rounding P to 16 bits before P V is the usual flash-attention trade (error ~2^-9 relative for
-// bf16).
+// The add-back of the tensor-core kernel's edge tiles: for every key of the tile hidden from some
+// row whose V has a non-finite element (staged as 0), o += p * v for exactly the rows that see it.
+// The probability of (row, key) is in the S fragment of the row's quad lane that holds the key's
+// column: a shuffle brings it to the quad's 4 lanes, each owning 2 of the row's output columns
+// per n-tile. V is read again from the cache (rare: only a tile that held a value back).
+// Warp-uniform loop bounds: the shuffles see the full warp.
+template <int NT_S, int NT_O, typename KV>
+__device__ __forceinline__ void add_back_nonfinite_v(float (&o)[NT_O][4], const float (&s)[NT_S][4],
+                                                     const PagedKV<KV>& V, int kv0, int n, int D,
+                                                     const KeyRange (&keys)[2], KeyRange seen_by_all) {
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  // Key c = nt * 8 + cc of the tile: nt unrolled, so the fragment registers are indexed by
+  // constants only (a runtime index would move s to local memory).
+#pragma unroll
+  for (int nt = 0; nt < NT_S; ++nt) {
+    for (int cc = 0; cc < 8 && nt * 8 + cc < n; ++cc) {
+      const int tok = kv0 + nt * 8 + cc;
+      if (seen_by_all.contains(tok)) continue;  // its values were staged as they are
+      const int src = (lane & ~3) | (cc / 2);
+      const float pr[2] = {__shfl_sync(kFullMask, cc % 2 ? s[nt][1] : s[nt][0], src),
+                           __shfl_sync(kFullMask, cc % 2 ? s[nt][3] : s[nt][2], src)};
+      const KV* vrow = V.row(tok);
+#pragma unroll
+      for (int ot = 0; ot < NT_O; ++ot) {
+        if (ot * 8 < D) {
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const float v = to_float(vrow[ot * 8 + 2 * t + k]);
+            if (fabsf(v) < INFINITY) continue;  // finite: the mma has it
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              if (keys[h].contains(tok)) o[ot][2 * h + k] += pr[h] * v;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T, typename KV, int DMAX>
 __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int64_t row_tiles, bool k_aligned,
                                                           bool v_aligned) {
@@ -288,17 +306,23 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
   const T zero = from_float<T>(0.f);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   // k_scale folds into the scores' multiplier, v_scale into the final normalisation.
-  const ScoreMod mod = score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_per_head, kvh));
-  const float vscale = cache_scale(p.v_scale, p.v_scale_per_head, kvh);
+  const ScoreMod mod =
+      score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh));
+  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
   const int cpr = Dp / 8;  // 8-element chunks per padded row
 
   for (int64_t row0 = slot * BM; row0 < total_rows; row0 += row_tiles * BM) {  // block-uniform
     const int nrows = int(min(int64_t(BM), total_rows - row0));
-    const int qi_max = int((row0 + nrows - 1) / group);
-    const int kv_end = p.causal ? seq_len - q_len + qi_max + 1 : seq_len;
-    // The first row has the earliest window: no row of the tile sees a key before it.
-    const int kv_begin = window_start(p.window_left, seq_len - q_len + int(row0 / group));
+    const int pos_first = seq_len - q_len + int(row0 / group);
+    const int pos_last = seq_len - q_len + int((row0 + nrows - 1) / group);
+    // The first row has the earliest keys, the last row the latest: no row of the tile sees a key
+    // before the first's window or after the last's end.
+    const int kv_begin = window_start(p.window_left, pos_first);
+    const int kv_end = window_end(p, pos_last, seq_len);
+    // The keys every row of the tile sees; the others (the tile's edges) are hidden from some row,
+    // which their V must not reach.
+    const KeyRange seen_by_all{window_start(p.window_left, pos_last), window_end(p, pos_first, seq_len)};
     __syncthreads();  // every warp is done with the previous tile's Qs/Ks/Vs
 
     // load_q
@@ -312,15 +336,15 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
       Qs[r * ld + d] = x;
     }
 
-    // This lane's two rows: position, visible keys lo <= j < hi (none for padding rows), ALiBi slope.
-    int pos[2], lo[2], hi[2];
+    // This lane's two rows: position, visible keys (none for padding rows), ALiBi slope.
+    int pos[2];
+    KeyRange keys[2];
     float slope[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
       pos[h] = seq_len - q_len + int((row0 + r) / group);
-      lo[h] = window_start(p.window_left, pos[h]);
-      hi[h] = r < nrows ? (p.causal ? pos[h] + 1 : seq_len) : 0;
+      keys[h] = r < nrows ? visible_keys(p, pos[h], seq_len) : KeyRange{0, 0};
       slope[h] = r < nrows ? alibi_log2(p, kvh * group + int((row0 + r) % group)) : 0.f;
     }
     float o[NT_O][4];
@@ -330,6 +354,10 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
 
     for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
       __syncthreads();  // the previous KV tile is no longer read
+      // A tile holding keys hidden from some row: their non-finite V elements are staged as 0 (so
+      // the mma's 0 * v stays 0 for the rows that do not see them) and added back after it.
+      const bool edge = kv0 < seen_by_all.lo || kv0 + BN > seen_by_all.hi;  // block-uniform
+      bool held_back = false;
       // stage_kv: raw cache values (exact in T), zeros past kv_end and in the padding columns.
       for (int e = threadIdx.x; e < BN * cpr; e += kTcThreads) {
         const int j = e / cpr, c = (e % cpr) * 8, tok = kv0 + j;
@@ -339,6 +367,15 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         if (tok < kv_end && c < D) {
           load8(K.row(tok) + c, x, k_aligned);
           load8(V.row(tok) + c, y, v_aligned);
+          if (edge && !seen_by_all.contains(tok)) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              if (!(fabsf(y[i]) < INFINITY)) {  // inf or NaN
+                y[i] = 0.f;
+                held_back = true;
+              }
+            }
+          }
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -346,7 +383,10 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
           Vs[j * ld + c + i] = from_float<T>(y[i]);
         }
       }
-      __syncthreads();
+      // Block-uniform: some thread held back a non-finite V of a partly hidden key.
+      bool add_back = false;
+      if (edge) add_back = __syncthreads_or(held_back) != 0;
+      else __syncthreads();
 
       // compute_qk
       float s[NT_S][4];
@@ -373,7 +413,7 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int tok = kv0 + nt * 8 + 2 * t + (i % 2), h = i / 2;
-          const float v = tok >= lo[h] && tok < hi[h] ? mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]) : -INFINITY;
+          const float v = keys[h].contains(tok) ? mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]) : -INFINITY;
           s[nt][i] = v;
           mx[i / 2] = fmaxf(mx[i / 2], v);
         }
@@ -427,6 +467,8 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
           }
         }
       }
+      if (add_back)
+        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), D, keys, seen_by_all);
     }
 
     // store
