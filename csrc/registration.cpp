@@ -25,6 +25,7 @@ TORCH_LIBRARY_IMPL(paged_cpu, CPU, m) {
   m.impl("copy_blocks", &paged::cpu::copy_blocks);
   m.impl("swap_blocks", &paged::cpu::swap_blocks);
   m.impl("merge_attention_states", &paged::cpu::merge_attention_states);
+  m.impl("merge_states", &paged::cpu::merge_states);
 }
 
 PyMODINIT_FUNC PyInit__C(void) {

@@ -36,8 +36,8 @@ void merge_rows(Tensor& out, float* out_lse, const Tensor& prefix_out, const flo
       const T* pa = a_out + token * a_token + head * a_head;
       const T* pb = b_out + token * b_token + head * b_head;
       const double a = prefix_lse[row], b = suffix_lse[row];
-      if (a == kNegInf && b == kNegInf) {  // neither side saw a key: a NaN row, lse -inf
-        std::fill(dst, dst + head_size, T(std::numeric_limits<float>::quiet_NaN()));
+      if (a == kNegInf && b == kNegInf) {  // neither side saw a key: an empty row, 0 and lse -inf
+        std::fill(dst, dst + head_size, T(0.f));
         if (out_lse != nullptr) out_lse[row] = float(kNegInf);
         continue;
       }

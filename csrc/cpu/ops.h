@@ -36,4 +36,6 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping);
 // Memory-bound, fp32 math: built once, with the baseline flags.
 void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
                             const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse);
+// The N-way merge (states [num_tokens, num_states, num_heads, head_size]): also memory-bound, fp32 math.
+void merge_states(Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse);
 }  // namespace paged::cpu
