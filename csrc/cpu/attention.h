@@ -8,10 +8,12 @@
 // partial output plus its log-sum-exp that a second pass merges.
 //
 // The variants (paged_ops/reference.py attention): a row at position p sees keys
-// [max(0, p - window_left), causal ? p : kv_len - 1]; soft-cap and ALiBi change the scores of
-// each tile before its softmax; a sink is one more term of the row's denominator, added once,
-// when the row's parts are folded into its output (fold_part / fold_finish), which also gives
-// the row's log-sum-exp. Tiles sit on absolute multiples of kTileTokens and a task starts at
+// [max(0, p - window_left), causal ? p : min(kv_len - 1, p + window_right)] (row_range; none
+// when p < 0 or the window leaves nothing: out 0, lse -inf, or the sink's); soft-cap and ALiBi
+// change the scores of each tile before its softmax; a sink is one more term of the row's
+// denominator, added once, when the row's parts are folded into its output (fold_part /
+// fold_finish, join_sink), which also gives the row's log-sum-exp. Keys a row does not see never
+// change it, even inf or NaN ones (copy_finite below). Tiles sit on absolute multiples of kTileTokens and a task starts at
 // the first tile any of its rows sees, so a window of W keys costs O(W) whatever the context.
 //
 // Batch-invariant mode: a row's KV is cut into chunks on absolute multiples of
@@ -56,15 +58,19 @@ struct AttentionParams {
   int64_t max_blocks_per_seq;
   const int32_t* cu_seqlens_q;  // [num_seqs + 1]
   const int32_t* seq_lens;      // [num_seqs]
-  const float* k_scale;         // nullptr, or 1 / num_kv_heads elements
+  // fp8 scales (nullptr: none): the scale of (sequence s, KV head h) is
+  // scale[s * seq_stride + h * head_stride] (paged::scale_strides: per tensor, per KV head, per
+  // sequence and KV head), K and V each in their own form.
+  const float* k_scale;
   const float* v_scale;
-  bool per_head_scale;
+  int64_t k_scale_seq_stride, k_scale_head_stride, v_scale_seq_stride, v_scale_head_stride;
   int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
   float scale;
   bool causal;
-  // Variants (paged::AttentionVariants): softcap 0 = none, window_left -1 = none, null = absent.
+  // Variants (paged::AttentionVariants): softcap 0 = none, window_left / window_right -1 = none,
+  // null = absent.
   float softcap;
-  int64_t window_left;
+  int64_t window_left, window_right;
   const float* sinks;         // [num_heads]
   const float* alibi_slopes;  // [num_heads]
   float* lse;                 // out: [total_q, num_heads], contiguous
@@ -107,6 +113,8 @@ struct Scratch {
   std::vector<float> acc32;              // and its fp32 PV sums between flushes
   std::vector<double> acc_scale;         // the corrections acc still owes at the next flush
   std::vector<uint16_t> kw;              // fp8 caches: a tile's K or V rows widened to bf16
+  std::vector<uint32_t> v_finite;        // value rows with inf / NaN elements 0 (copy_finite)
+  std::vector<uint32_t> v_zero;          // a value row of zeros (never written after resize)
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
   // (queries, accumulators, softmax state) for all the task's heads.
   void resize(int64_t rows, int64_t heads, int head_size) {
@@ -119,6 +127,8 @@ struct Scratch {
     fold_m.resize(size_t(rows) * heads);
     fold_w.resize(size_t(rows) * heads);
     out.resize(head_size);
+    v_finite.resize(size_t(kTileTokens) * head_size);  // 4 bytes per element: any cache dtype
+    v_zero.resize(head_size);
     first_visible.resize(rows);
     last_visible.resize(rows);
     position.resize(rows);
@@ -144,14 +154,33 @@ inline Scratch& thread_scratch() {
   return scratch;
 }
 
-// Keys a query row sees: [lo, hi] (reference.attention), p its position.
+// Keys a query row sees: [lo, hi] (reference.attention), p its position; none when lo > hi (a
+// row before the sequence's first key, p < 0, or a window with nothing in it). Both ends grow
+// with the row: a query tile's rows see [lo of its first row, hi of its last] together.
 struct RowRange {
   int64_t position, lo, hi;
+  bool empty() const { return lo > hi; }
 };
 inline RowRange row_range(const AttentionParams& p, int64_t kv_len, int64_t q_len, int64_t i) {
   const int64_t pos = kv_len - q_len + i;
   const int64_t lo = p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0;
-  return {pos, lo, p.causal ? pos : kv_len - 1};
+  const int64_t hi = p.causal ? pos : (p.window_right >= 0 ? std::min(kv_len - 1, pos + p.window_right) : kv_len - 1);
+  return {pos, lo, hi};
+}
+
+// The sink (a logit with no value, counted once per row) joined to a row's running max m and sum
+// l, as the reference's logsumexp over the scores and the sink: returns the factor the row's
+// accumulator takes. -inf is no sink; +inf gives m = +inf, l = 1 and factor 0 (out 0, lse +inf;
+// NaN if the row was NaN); NaN makes l NaN (a NaN row).
+inline double join_sink(double& m, double& l, const float* sink) {
+  if (sink == nullptr || double(*sink) == -std::numeric_limits<double>::infinity()) return 1.0;
+  const double s = *sink;
+  const double m_new = std::max(m, s);  // a NaN m stays: the row is NaN; a NaN s keeps m, b is NaN
+  const double a = std::exp(m - m_new);  // 0 for m = -inf (no key's weight left)
+  // s == m_new: exp(0), and for s = +inf not exp(inf - inf)
+  l = l * a + (s == m_new ? 1.0 : std::exp(s - m_new));
+  m = m_new;
+  return a;
 }
 
 // Folding a row's parts (chunks or splits, in position order) into its output: the running
@@ -169,18 +198,14 @@ __attribute__((noinline)) inline void fold_part(double& m, double& w, double* ac
   for (int d = 0; d < D; ++d) acc[d] = acc[d] * a + b * double(part[d]);
 }
 
-// The row's output and log-sum-exp from its folded parts and its sink (a logit with no value,
-// counted once here). No part and no sink: 0 / 0 = NaN and -inf, as the reference.
+// The row's output and log-sum-exp from its folded parts and its sink (join_sink). No weight
+// (no part and no sink: the row saw no key, or only -inf scores): out 0 and lse -inf, as the
+// reference (its probabilities are 0 where the lse is -inf, not (-inf) - (-inf)).
 __attribute__((noinline)) inline void fold_finish(double m, double w, const double* acc, int D, const float* sink,
                                                   float* out, float* lse) {
-  double a = 1.0;
-  if (sink != nullptr && double(*sink) != -std::numeric_limits<double>::infinity()) {
-    const double m_new = std::max(m, double(*sink));
-    a = std::exp(m - m_new);
-    w = w * a + std::exp(double(*sink) - m_new);
-    m = m_new;
-  }
-  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * a / w);
+  const double a = join_sink(m, w, sink);
+  const double norm = w == 0.0 ? 0.0 : a / w;  // w == 0: m is -inf, the lse too
+  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * norm);
   if (lse != nullptr) *lse = float(m + std::log(w));
 }
 
@@ -188,17 +213,12 @@ __attribute__((noinline)) inline void fold_finish(double m, double w, const doub
 // accumulator acc (v_mul: the value scale): what fold_part then fold_finish give for a single
 // part, without the fp32 part and the fold's passes between. For tasks of one chunk that are not
 // split, i.e. never in batch-invariant mode (its bits must match a fold of several chunks).
-// l == 0 (no key, or only -inf scores): NaN and -inf, or 0 and the sink with a sink.
+// l == 0 (no key, or only -inf scores, and no sink): out 0 (acc * 0: NaN only where a value the
+// row sees is inf or NaN) and lse -inf; with a sink, join_sink's.
 inline void finish_row(double m, double l, const double* acc, int D, double v_mul, const float* sink, float* out,
                        float* lse) {
-  if (sink != nullptr && double(*sink) != -std::numeric_limits<double>::infinity()) {
-    const double m_new = std::max(m, double(*sink));  // a NaN m stays: the row is NaN
-    const double a = std::exp(m - m_new);
-    l = l * a + std::exp(double(*sink) - m_new);
-    v_mul *= a;
-    m = m_new;
-  }
-  const double norm = v_mul / l;
+  v_mul *= join_sink(m, l, sink);
+  const double norm = l == 0.0 ? 0.0 : v_mul / l;
   for (int d = 0; d < D; ++d) out[d] = float(acc[d] * norm);
   if (lse != nullptr) *lse = float(m + std::log(l));
 }
@@ -231,8 +251,75 @@ struct CacheRead<c10::Float8_e4m3fn> {
   static constexpr float kUnit = 256.f;
 };
 
-inline float head_scale(const float* scale, bool per_head, int64_t head) {
-  return scale == nullptr ? 1.f : scale[per_head ? head : 0];
+// Keys hidden from some rows of a tile never change those rows (spec: select, not multiply). A
+// hidden key's probability is exactly 0, and 0 * v is an exact 0 for finite v but NaN for an inf
+// or NaN v. So in a tile where some row cannot see some of the keys (a causal diagonal, a
+// window's edges, rows before the sequence), those keys' values are scanned (the keys before
+// lo_all, which no row sees and locate() points at key lo_all, read a row of zeros instead); the few with an inf or NaN element are read by every
+// PV path (8-lane, bf16 dot and its AMX tiles, decode_dot.h's) from a copy holding 0 in those
+// elements, and each such element's p * v (plain IEEE, as the reference) is then added to the rows
+// that see the key (add_nonfinite_values). Finite elements are read as they lie, so a row's
+// finite columns keep their bits whatever its tile holds (batch-invariant mode: decode and prefill
+// rows stay equal), and its non-finite ones are inf or NaN either way. Tiles every row sees
+// whole are not scanned.
+template <typename CT>
+struct StorageBits {  // an element's bits, and the exponent bits all set in inf and NaN
+  using U = std::conditional_t<sizeof(CT) == 4, uint32_t, std::conditional_t<sizeof(CT) == 2, uint16_t, uint8_t>>;
+  static constexpr U kNonFinite = std::is_same_v<CT, float>            ? U(0x7F800000)
+                                  : std::is_same_v<CT, c10::Half>      ? U(0x7C00)
+                                  : std::is_same_v<CT, c10::BFloat16>  ? U(0x7F80)
+                                  : std::is_same_v<CT, c10::Float8_e5m2> ? U(0x7C)
+                                                                         : U(0x7F);  // e4m3fn: NaN only
+  static bool nonfinite(U bits) { return (bits & kNonFinite) == kNonFinite; }
+  static float value(U bits) {  // the element as float (inf or NaN here)
+    CT x;
+    std::memcpy(&x, &bits, sizeof(x));
+    return static_cast<float>(x);
+  }
+};
+
+template <typename CT>
+inline bool any_nonfinite(const void* row, int D) {
+  using B = StorageBits<CT>;
+  const typename B::U* u = static_cast<const typename B::U*>(row);
+  int found = 0;  // no early exit: the loop vectorizes
+  for (int d = 0; d < D; ++d) found |= int(B::nonfinite(u[d]));
+  return found != 0;
+}
+
+// out = row with its inf / NaN elements 0.
+template <typename CT>
+inline void copy_finite(const void* row, int D, void* out) {
+  using B = StorageBits<CT>;
+  const typename B::U* u = static_cast<const typename B::U*>(row);
+  typename B::U* o = static_cast<typename B::U*>(out);
+  for (int d = 0; d < D; ++d) o[d] = B::nonfinite(u[d]) ? typename B::U(0) : u[d];
+}
+
+// acc[r][d] += p[r][j] * v[d] for the inf / NaN elements d of each listed token j's value row v
+// (as it lies in the cache) and the rows r that see the token (key j0 + j): what the PV paths
+// left out of those rows when they read the copy (copy_finite). acc: fp64 (the 8-lane and small
+// paths) or acc32 (the bf16 dot path), rows acc_stride apart.
+template <typename CT, typename A>
+inline void add_nonfinite_values(int64_t rows, const float* p, const int64_t* first_visible, const int64_t* last_visible,
+                                 int64_t j0, const int* tokens, const void* const* values, int count, int D, A* acc,
+                                 int64_t acc_stride) {
+  using B = StorageBits<CT>;
+  for (int i = 0; i < count; ++i) {
+    const int j = tokens[i];
+    const typename B::U* u = static_cast<const typename B::U*>(values[i]);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (j0 + j < first_visible[r] || j0 + j > last_visible[r]) continue;
+      const float pr = p[r * kTileTokens + j];
+      for (int d = 0; d < D; ++d)
+        if (B::nonfinite(u[d])) acc[r * acc_stride + d] += A(pr * B::value(u[d]));
+    }
+  }
+}
+
+// The fp8 scale of (sequence seq, KV head head); 1 without one.
+inline float kv_scale(const float* scale, int64_t seq_stride, int64_t head_stride, int64_t seq, int64_t head) {
+  return scale == nullptr ? 1.f : scale[seq * seq_stride + head * head_stride];
 }
 
 // Prefetches rows of the next tile while this one is computed. Spread over the tile's compute
@@ -383,8 +470,18 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   w.resize(rows, heads, D);
 
   const QT* query = static_cast<const QT*>(p.query);
+  // This sequence's fp8 scales (1 without): k_scale folds into the query, v_scale into the output.
+  auto k_scale_of = [&](int64_t kv_head) {
+    return kv_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, t.seq, kv_head);
+  };
+  auto v_scale_of = [&](int64_t kv_head) {
+    return kv_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, t.seq, kv_head);
+  };
   // The task walks [begin, end): its KV range, cut to what its rows see, from a tile boundary.
+  // [lo_all, hi_all]: keys some row sees (rows that see none left out); [common_lo, common_hi]:
+  // keys every row sees (empty rows included: empty when some row sees none).
   int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = -1;
+  int64_t common_lo = 0, common_hi = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < tokens; ++i) {
     const RowRange range = row_range(p, kv_len, q_len, t.q_begin + i - first_q);
     for (int64_t g = 0; g < group; ++g) {
@@ -392,6 +489,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       w.last_visible[i * group + g] = range.hi;
       w.position[i * group + g] = range.position;
     }
+    common_lo = std::max(common_lo, range.lo);
+    common_hi = std::min(common_hi, range.hi);
+    if (range.empty()) continue;
     lo_all = std::min(lo_all, range.lo);
     hi_all = std::max(hi_all, range.hi);
   }
@@ -410,8 +510,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
 #endif
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
-    // k_scale folds into the query (and v_scale into the output): both are per KV head.
-    const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
+    // k_scale folds into the query (and v_scale into the output): both are per sequence and KV head.
+    const float q_mul = p.scale * k_scale_of(kv_head) * CacheRead<CT>::kUnit;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
       if (!query_as_is) {  // the fp32 query of the 8/16-lane QK (for_row_blocks)
@@ -439,6 +539,10 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   // The same caches (fp8 widened in registers there, under a bf16 query dotted as it is).
   using SmallE = std::conditional_t<is_fp8_v<CT>, CT, uint16_t>;  // decode_dot.h's element type
   const bool small_dot = kDotCache && !p.batch_invariant && rows < kMinDotRows;
+#else
+  constexpr bool dot = false;
+#endif
+#if defined(__AVX512BF16__)
   if (dot || small_dot) {
     // The query rows as they are (bf16, CT's dtype): QK's products are then exact in fp32 and
     // the scale multiplies the fp32 scores (qk_dot), so scores and lse keep fp32 accuracy.
@@ -524,12 +628,20 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     for (int64_t j0 = c0, slot = 0; j0 < c1; j0 += kTileTokens, slot ^= 1) {
       const int n = tile_len(j0);
       const int next_n = c1 - j0 > kTileTokens ? locate(j0 + kTileTokens, int(slot ^ 1)) : 0;
+      // The tile's keys every row sees: [seen_lo, seen_hi); the others are hidden from some row,
+      // and their values are scanned for inf / NaN before PV (copy_finite above).
+      const int seen_lo = int(std::clamp<int64_t>(common_lo - j0, 0, n));
+      const int seen_hi = int(std::clamp<int64_t>(common_hi - j0 + 1, seen_lo, n));
+      const bool some_hidden = seen_lo > 0 || seen_hi < n;
+      // Keys before lo_all (locate: they point at key lo_all) take a value row of zeros.
+      const int aliased = int(std::clamp<int64_t>(lo_all - j0, 0, n - 1));
       for (int64_t hl = 0; hl < heads; ++hl) {
         const int64_t h = t.kv_head_begin + hl;
         for (int j = 0; j < n; ++j) {
           k_rows[j] = reinterpret_cast<const Exact*>(k_tokens[slot][j] + h * p.k_stride_head);
           v_rows[j] = reinterpret_cast<const Exact*>(v_tokens[slot][j] + h * p.v_stride_head);
         }
+        for (int j = 0; j < aliased; ++j) v_rows[j] = reinterpret_cast<const Exact*>(w.v_zero.data());
         const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
                                 (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
         float* q = &w.q[size_t(hl) * rows * D];
@@ -538,7 +650,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         double* l = &w.l[hl * rows];
 #if defined(__AVX512BF16__)
         // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
-        const float q_mul = p.scale * head_scale(p.k_scale, p.per_head_scale, h) * CacheRead<CT>::kUnit;
+        const float q_mul = p.scale * k_scale_of(h) * CacheRead<CT>::kUnit;
         if (dot) {
           const uint16_t* widened[kTileTokens];  // fp8 caches: the rows widened to bf16 (in w.kw)
           transpose_keys(dot_rows<CT>(k_rows, n, D, w.kw.data(), widened), n, D, w.kt.data(), next);
@@ -609,6 +721,19 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           l[r] = l[r] * correction + sum.sum();
           m[r] = m_new;
         }
+        // Values of keys hidden from some row, with an inf or NaN element: read from a copy with
+        // those elements 0, their p * v added to the rows that see them after PV.
+        int nonfinite_tokens[kTileTokens], num_nonfinite = 0;
+        const void* nonfinite_rows[kTileTokens];
+        if (some_hidden)
+          for (int j = aliased; j < n; ++j) {
+            if ((j >= seen_lo && j < seen_hi) || !any_nonfinite<CT>(v_rows[j], D)) continue;
+            void* copy = &w.v_finite[size_t(j) * D];
+            copy_finite<CT>(v_rows[j], D, copy);
+            nonfinite_rows[num_nonfinite] = v_rows[j];
+            nonfinite_tokens[num_nonfinite++] = j;
+            v_rows[j] = static_cast<const Exact*>(copy);
+          }
 #if defined(__AVX512BF16__)
         if (dot) {
           const uint16_t* widened[kTileTokens];
@@ -616,6 +741,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
           float* acc32 = &w.acc32[size_t(hl) * rows * dot_dv];
           dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), dot_dv);
+          if (num_nonfinite > 0)  // before the flush: acc32 holds this tile's sums
+            add_nonfinite_values<CT>(rows, w.s.data(), w.first_visible.data(), w.last_visible.data(), j0,
+                                     nonfinite_tokens, nonfinite_rows, num_nonfinite, D, acc32, dot_dv);
           if (j0 + kTileTokens >= c1 || ((j0 - c0) / kTileTokens + 1) % kDotFlushTiles == 0)
             flush_acc(rows, acc32, dot_dv, acc, D, &w.acc_scale[hl * rows]);
         } else if (small_dot) {
@@ -627,13 +755,16 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
         else
           for_row_blocks<PV, Exact>(rows, acc, D, w.s.data(), v_rows, n);
+        if (num_nonfinite > 0 && !dot)
+          add_nonfinite_values<CT>(rows, w.s.data(), w.first_visible.data(), w.last_visible.data(), j0,
+                                   nonfinite_tokens, nonfinite_rows, num_nonfinite, D, acc, D);
       }
     }
 
     // The chunk's part of each row: its normalized output and log-sum-exp.
     for (int64_t hl = 0; hl < heads; ++hl) {
       const int64_t kv_head = t.kv_head_begin + hl;
-      const double v_mul = head_scale(p.v_scale, p.per_head_scale, kv_head) * CacheRead<CT>::kUnit;
+      const double v_mul = v_scale_of(kv_head) * CacheRead<CT>::kUnit;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = hl * rows + r;
         const double* acc = &w.acc[size_t(row) * D];
@@ -644,9 +775,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           from_float(w.out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
           continue;
         }
-        // l == 0: the row saw no key in this chunk, or every score it saw was -inf (softmax
-        // over only -inf is NaN in the reference: the fold gives that when no part is left).
-        // l is NaN for NaN rows.
+        // l == 0: the row saw no key in this chunk, or every score it saw was -inf: lse -inf,
+        // a part the fold skips (fold_part; out 0 when no part is left). l is NaN for NaN rows.
         const double lse = w.l[row] == 0.0 ? -std::numeric_limits<double>::infinity()
                                            : double(w.m[row]) + std::log(w.l[row]);
         const double norm = v_mul / w.l[row];
@@ -730,7 +860,12 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
       const int64_t qe = std::min(q1, qb + tile_tokens);
       // The tile's rows see [lo, hi] together (positions grow with the row).
       const int64_t lo = row_range(p, kv_len, q1 - q0, qb - q0).lo;
-      const int64_t hi = std::max<int64_t>(0, row_range(p, kv_len, q1 - q0, qe - 1 - q0).hi);
+      const int64_t hi = row_range(p, kv_len, q1 - q0, qe - 1 - q0).hi;
+      if (hi < lo) {  // no row of the tile sees a key: a task with no KV writes their empty rows
+        for (int64_t h0 = 0; h0 < p.num_kv_heads; h0 += heads_per_task)
+          tasks.push_back(Task{s, h0, std::min(p.num_kv_heads, h0 + heads_per_task), qb, qe, lo, lo, 0, 0, 1, 0});
+        continue;
+      }
       int64_t first = lo / kTileTokens * kTileTokens, per_split, num_splits, chunk_tokens = 0;
       if (p.batch_invariant) {
         // Chunks on absolute multiples of a fixed size: tasks of their own when threads are idle
@@ -776,7 +911,11 @@ void paged_attention(const AttentionParams& p) {
   double work = 0;  // multiply-adds, roughly (a double: q_len x seq_len x heads can pass 2^63)
   for (int64_t s = 0; s < p.num_seqs; ++s) {
     const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
-    const int64_t keys = p.window_left >= 0 ? std::min<int64_t>(p.seq_lens[s], p.window_left + q_len) : p.seq_lens[s];
+    // keys a row sees: at most the window (left + right + 1) where it has both edges
+    const int64_t right = p.causal ? 0 : p.window_right;
+    const int64_t keys = p.window_left >= 0 && right >= 0
+                             ? std::min<int64_t>(p.seq_lens[s], p.window_left + right + q_len)
+                             : p.seq_lens[s];
     work += double(q_len) * keys * p.num_heads * p.head_size;
   }
   const bool parallel = work >= double(kMinParallelWork) && omp_get_max_threads() > 1;

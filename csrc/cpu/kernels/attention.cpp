@@ -42,7 +42,10 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
   p.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
-  p.per_head_scale = k_scale && k_scale->numel() > 1;
+  // Each scale in its own form: per tensor, per KV head or per sequence and KV head.
+  const ScaleStrides k_strides = scale_strides(k_scale), v_strides = scale_strides(v_scale);
+  p.k_scale_seq_stride = k_strides.seq_stride, p.k_scale_head_stride = k_strides.head_stride;
+  p.v_scale_seq_stride = v_strides.seq_stride, p.v_scale_head_stride = v_strides.head_stride;
   p.num_seqs = seq_lens.size(0);
   p.num_heads = query.size(1);
   p.num_kv_heads = key_cache.size(2);
@@ -56,6 +59,7 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
                                                 std::numeric_limits<float>::max())
                                    : 0.f;
   p.window_left = variants.window_left;
+  p.window_right = variants.window_right;
   p.sinks = variants.sinks_ptr();
   p.alibi_slopes = variants.alibi_slopes_ptr();
   p.lse = variants.lse_ptr();
