@@ -64,7 +64,7 @@ try:
     from .cache import copy_blocks, reshape_and_cache, swap_blocks
     from .decode import decode_attention
     from .fp8 import dequantize_fp8, quantize_fp8
-    from .merge import merge_attention_states
+    from .merge import merge_attention_states, merge_states
     from .prefill import prefill_attention
 except ImportError as e:  # triton missing or too old: the router sees is_available() == False
     _IMPORT_ERROR = e
@@ -73,6 +73,7 @@ else:
      copy_blocks, swap_blocks) = map(_serialized, (reshape_and_cache, decode_attention, prefill_attention,
                                                    merge_attention_states, quantize_fp8, dequantize_fp8,
                                                    copy_blocks, swap_blocks))
+    merge_states = _serialized(merge_states)
 
 
 def config_for(op: str, *args) -> dict:
@@ -91,4 +92,4 @@ def is_available() -> bool:
     return torch.cuda.is_available() or "cpu" in DEVICES
 
 __all__ = ["DEVICES", "is_available", "last_config", "config_for", "reshape_and_cache", "decode_attention",
-           "prefill_attention", "merge_attention_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks"]
+           "prefill_attention", "merge_attention_states", "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks"]

@@ -131,11 +131,18 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return torch.ones(1, dtype=torch.float32, device=device)
 
 
-def scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(pointer tensor, per_head) for an optional k/v scale; a shared 1.0 tensor when absent."""
+def scale_arg(scale: torch.Tensor | None, like: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(pointer tensor, seq_stride, head_stride) of an optional k/v scale: the scale of (sequence
+    s, KV head h) is ``scale[s * seq_stride + h * head_stride]``. 1 element (per tensor): (0, 0);
+    1-D of num_kv_heads (per KV head): (0, 1); 2-D [num_seqs, num_kv_heads] (per sequence and KV
+    head): its strides. Absent: a shared 1.0 tensor, (0, 0)."""
     if scale is None:
-        return _unit_scale(like.device), False
-    return scale, scale.numel() > 1
+        return _unit_scale(like.device), 0, 0
+    if scale.dim() == 2:
+        return scale, scale.stride(0), scale.stride(1)
+    if scale.numel() > 1:
+        return scale, 0, scale.stride(-1)
+    return scale, 0, 0
 
 
 def fp8_format(dtype: torch.dtype) -> int:
@@ -161,45 +168,71 @@ def device_guard(t: torch.Tensor):
 LOG2E = 1.4426950408889634
 
 
+LN2 = 0.6931471805599453
+
+
 @dataclasses.dataclass(frozen=True)
 class Variants:
     """The attention variants of one decode/prefill call (paged_ops.reference.attention defines
     them), as the attention kernels take them: constexpr flags, so the default call compiles to
-    the plain kernel, and runtime values (softcap, window_left), so new values never recompile."""
+    the plain kernel, and runtime values (softcap, the windows), so new values never recompile.
+    window_right is last: positional constructions from before it keep their meaning."""
     softcap: float = 0.0
     window_left: int = -1
     sinks: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
     lse: torch.Tensor | None = None
+    window_right: int = -1
 
     @property
     def has_window(self) -> bool:
         return self.window_left >= 0
 
     @property
+    def has_window_right(self) -> bool:
+        return self.window_right >= 0
+
+    def for_causal(self, causal: bool) -> "Variants":
+        """Causal rows stop at their own position, so a right window changes nothing there: it is
+        dropped (one compiled variant, and the batch-invariant decode and causal prefill keep
+        sharing theirs)."""
+        return dataclasses.replace(self, window_right=-1) if causal and self.has_window_right else self
+
+    @property
     def heavy_scores(self) -> bool:
         """Per-score work on top of the dot (cap, bias, window mask): registers default configs
         make room for."""
-        return self.softcap > 0 or self.alibi_slopes is not None or self.has_window
+        return self.softcap > 0 or self.alibi_slopes is not None or self.has_window or self.has_window_right
 
     def flags(self) -> dict:
         """The kernels' constexpr flags."""
         return {"HAS_SOFTCAP": self.softcap > 0, "HAS_WINDOW": self.has_window, "HAS_SINKS": self.sinks is not None,
-                "HAS_ALIBI": self.alibi_slopes is not None, "WRITE_LSE": self.lse is not None}
+                "HAS_ALIBI": self.alibi_slopes is not None, "WRITE_LSE": self.lse is not None,
+                "HAS_WINDOW_RIGHT": self.has_window_right}
 
-    def values(self) -> tuple[float, int]:
-        """(softcap_log2, window_left) runtime arguments: the cap in base-2 logits (1.0 when
-        unused, never read), the window (0 when unused, never read)."""
-        return (self.softcap * LOG2E if self.softcap > 0 else 1.0), max(int(self.window_left), 0)
+    def values(self) -> tuple[float, float, int, int]:
+        """(softcap_log2, inv_softcap, window_left, window_right) runtime arguments: the cap in
+        base-2 logits and 1 / cap in natural ones (1.0 when unused, never read), the windows (0
+        when unused, never read). Validation keeps softcap in [2^-126, 2^126], so both are
+        finite, normal float32 numbers (1 / (softcap * log2(e)) would be subnormal up there:
+        the kernels never form it)."""
+        if self.softcap > 0:
+            cap_log2, inv_cap = self.softcap * LOG2E, 1.0 / self.softcap
+        else:
+            cap_log2, inv_cap = 1.0, 1.0
+        return cap_log2, inv_cap, max(int(self.window_left), 0), max(int(self.window_right), 0)
 
     def pointers(self, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(sinks, alibi_slopes, lse); ``dummy`` (never dereferenced) for the absent ones."""
         return tuple(dummy if t is None else t for t in (self.sinks, self.alibi_slopes, self.lse))
 
     def key(self) -> tuple:
-        """Part of a tuning key: which variants are on (the window by its size bucket, it bounds
-        the keys a row reads); () for a plain call, so plain calls keep their stored configs."""
+        """Part of a tuning key: which variants are on (the windows by their size buckets, they
+        bound the keys a row reads); () for a plain call, so plain calls keep their stored configs."""
         flags = self.flags()
         if not any(flags.values()):
             return ()
-        return (tuple(k for k, on in flags.items() if on), next_pow2(self.window_left + 1) if self.has_window else 0)
+        key = (tuple(k for k, on in flags.items() if on), next_pow2(self.window_left + 1) if self.has_window else 0)
+        if self.has_window_right:  # only then: the keys of calls without it stay as they were
+            key += (next_pow2(self.window_right + 1),)
+        return key

@@ -73,42 +73,69 @@ def round_to_bf16(x):
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
-@triton.jit
-def tanh(x):
-    """tanh of fp32 ``x`` to a few ulps, the same code compiled and interpreted (libdevice's tanh
-    does not run under the interpreter).
+LN2 = tl.constexpr(0.6931471805599453)
 
-    |x| < 0.55: the odd Taylor series through x^17 (its next term is < 1e-7 of the value there);
-    else (1 - e^-2|x|) / (1 + e^-2|x|), which has no cancellation once e^-2|x| <= 1/3. The
-    exponential form alone would lose up to ~1e-7 absolute near 0, i.e. softcap * 1e-7 in a
-    capped logit: a visible share of the fp32 budget at Gemma 2's cap of 50.
-    """
-    x2 = x * x
+
+@triton.jit
+def _tanh_series(x2):
+    """p(x^2) with tanh(x) = x + x * x^2 * p(x^2) for |x| < 0.55: the odd Taylor series through
+    x^17 (its next term is < 1e-7 of the value there)."""
     poly = -929569.0 / 638512875.0 + x2 * (6404582.0 / 10854718875.0)
     poly = 21844.0 / 6081075.0 + x2 * poly
     poly = -1382.0 / 155925.0 + x2 * poly
     poly = 62.0 / 2835.0 + x2 * poly
     poly = -17.0 / 315.0 + x2 * poly
     poly = 2.0 / 15.0 + x2 * poly
-    poly = -1.0 / 3.0 + x2 * poly
-    poly = x + x * x2 * poly
-    t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # e^(-2|x|): -2 / ln 2
-    far = (1.0 - t) / (1.0 + t)
-    far = tl.where(x < 0, -far, far)
-    return tl.where(tl.abs(x) < 0.55, poly, far)
+    return -1.0 / 3.0 + x2 * poly
 
 
 @triton.jit
-def score_tile(q, k, qk_scale, softcap_log2, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def _tanh_far(x):
+    """tanh(x) for |x| >= 0.55 as (1 - e^-2|x|) / (1 + e^-2|x|), which has no cancellation once
+    e^-2|x| <= 1/3."""
+    t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # e^(-2|x|): -2 / ln 2
+    far = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -far, far)
+
+
+@triton.jit
+def tanh(x):
+    """tanh of fp32 ``x`` to a few ulps, the same code compiled and interpreted (libdevice's tanh
+    does not run under the interpreter).
+
+    |x| < 0.55: the odd series (_tanh_series), else the exponential form (_tanh_far). The
+    exponential form alone would lose up to ~1e-7 absolute near 0, i.e. softcap * 1e-7 in a
+    capped logit: a visible share of the fp32 budget at Gemma 2's cap of 50.
+    """
+    x2 = x * x
+    return tl.where(tl.abs(x) < 0.55, x + x * x2 * _tanh_series(x2), _tanh_far(x))
+
+
+@triton.jit
+def soft_cap(s, cap_log2, inv_cap):
+    """cap * tanh(s / cap) of base-2 scores ``s`` with cap = softcap * log2(e) (``cap_log2``),
+    i.e. the natural-log cap softcap * tanh(s / softcap) times log2(e); inv_cap = 1 / softcap.
+
+    s / cap is formed as (s * ln 2) * (1 / softcap): 1 / (softcap * log2(e)) is subnormal for
+    caps near 2^126 (flushed to 0 on a GPU: every capped score 0). Below |x| = 0.55 the cap is
+    applied as s + s * x^2 * p(x^2), which is cap * tanh(x) without the round trip through
+    s / cap: where x^2 underflows (a huge cap) the score passes through exactly.
+    """
+    x = (s * LN2) * inv_cap
+    x2 = x * x
+    return tl.where(tl.abs(x) < 0.55, s + s * x2 * _tanh_series(x2), cap_log2 * _tanh_far(x))
+
+
+@triton.jit
+def score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """Scores of a tile in base 2 (natural score * log2(e)): [BLOCK_M, BLOCK_N].
 
     q: [BLOCK_M, HEAD_PAD], k: [BLOCK_N, HEAD_PAD]; qk_scale = scale * k_scale * log2(e).
-    HAS_SOFTCAP: s = c * tanh(s / c) with c = softcap * log2(e), which is the natural-log cap
-    softcap * tanh(s / softcap) times log2(e).
+    HAS_SOFTCAP: soft_cap with softcap_log2 = softcap * log2(e), inv_softcap = 1 / softcap.
     """
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if HAS_SOFTCAP:
-        s = softcap_log2 * tanh(s * (1.0 / softcap_log2))
+        s = soft_cap(s, softcap_log2, inv_softcap)
     return s
 
 
@@ -144,29 +171,35 @@ def online_softmax_step(s, s_mask, v, m_i, l_i, acc,
 
 
 @triton.jit
-def finish_rows(m_i, l_i, sink_log2, HAS_SINKS: tl.constexpr):
-    """(alpha, denominator, lse in base 2) that end rows: out = acc * alpha / denominator.
+def finish_rows(m_i, l_i, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
+    """(factor, lse in base 2) that end rows: out = acc * factor[:, None].
 
-    m_i, l_i, sink_log2: [BLOCK_M]. HAS_SINKS: the sink (a logit with no value, base 2) joins the
-    denominator once, relative to the larger of it and the running max. Without sinks alpha is
-    1.0, so the default path's out is acc * (v_scale / l_i), bit for bit as before the variants.
+    m_i, l_i, sink_log2: [BLOCK_M]; v_scale: the row's dequantization scale of V (1.0 for
+    non-fp8 caches). HAS_SINKS: the sink (a logit with no value, base 2) joins the denominator
+    once, relative to the larger of it and the running max; as in the reference, a -inf sink is
+    no sink, a +inf sink gives out 0 and lse +inf, a NaN sink a NaN row. A row that saw no key
+    (l_i 0, m_i -inf) gets out 0 (not 0 / 0) and lse -inf, or the sink. Without sinks the factor
+    of a row with keys is v_scale / l_i, bit for bit as before the variants.
     """
     if HAS_SINKS:
-        m = tl.maximum(m_i, sink_log2)
+        m = tl.where(sink_log2 > m_i, sink_log2, m_i)  # a NaN sink: m_i here, NaN through w_sink
+        m = tl.where(m == float("-inf"), 0.0, m)  # no key and a -inf sink: weights 0, not NaN
         alpha = tl.exp2(m_i - m)
-        total = l_i * alpha + tl.exp2(sink_log2 - m)
-        return alpha, total, m + tl.log2(total)
+        # The sink as the max weighs 1 exactly: exp2(inf - inf) would be NaN for a +inf sink.
+        w_sink = tl.where(sink_log2 == m, 1.0, tl.exp2(sink_log2 - m))
+        total = l_i * alpha + w_sink
+        factor = tl.where(total == 0.0, 0.0, v_scale * alpha / total)
+        return factor, m + tl.log2(total)
     else:
-        return 1.0, l_i, m_i + tl.log2(l_i)
+        return tl.where(l_i == 0.0, 0.0, v_scale / l_i), m_i + tl.log2(l_i)
 
 
 @triton.jit
-def load_scale(scale_ptr, kv_head, PER_HEAD: tl.constexpr):
-    """Dequantization scale of one KV head (1.0 is passed for non-fp8 caches)."""
-    if PER_HEAD:
-        return tl.load(scale_ptr + kv_head)
-    else:
-        return tl.load(scale_ptr)
+def load_scale(scale_ptr, seq, kv_head, seq_stride, head_stride):
+    """Dequantization scale of (sequence, KV head): scale[seq * seq_stride + kv_head * head_stride]
+    (strides (0, 0) per tensor, (0, 1) per KV head, (num_kv_heads, 1) per sequence and KV head;
+    a 1.0 tensor with (0, 0) for non-fp8 caches)."""
+    return tl.load(scale_ptr + (seq * seq_stride + kv_head * head_stride))  # < num_seqs * num_kv_heads: int32
 
 
 @triton.jit

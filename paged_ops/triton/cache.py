@@ -76,8 +76,10 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
     block_size = key_cache.shape[1]
     quantize = is_fp8(key_cache.dtype)
     fp8_max, mant, bias = FP8_FORMATS.get(key_cache.dtype, (0.0, 0, 0))
-    k_scale_t, k_per_head = scale_arg(k_scale, key)
-    v_scale_t, v_per_head = scale_arg(v_scale, key)
+    # Per tensor or per KV head (no sequences here), K and V each their own form.
+    k_scale_t, _, k_head_stride = scale_arg(k_scale, key)
+    v_scale_t, _, v_head_stride = scale_arg(v_scale, key)
+    k_per_head, v_per_head = k_head_stride != 0, v_head_stride != 0
     # fp8 bits are produced by integer rounding and stored through a byte view.
     kc = key_cache.view(torch.uint8) if quantize else key_cache
     vc = value_cache.view(torch.uint8) if quantize else value_cache

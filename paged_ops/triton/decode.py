@@ -49,20 +49,26 @@ def _find_row_sequence(cu_seqlens_q_ptr, num_seqs, row):
 
 
 @triton.jit
-def _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
-                VARLEN_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    """(sequence, position p, first visible key, end of visible keys) of query row ``row``.
+def _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left, window_right,
+                VARLEN_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
+    """(sequence, position p, first visible key, end of visible keys) of query row ``row``: the
+    keys [kv_lo, kv_hi) (empty when kv_lo >= kv_hi).
 
     Decode (VARLEN_ROWS False): row = sequence, p = seq_len - 1. VARLEN_ROWS (batch-invariant
     mode, decode and prefill alike): rows are prefill rows, p = seq_len - q_len + i; a causal row
-    at p sees keys < p + 1, which makes it the decode of a sequence of p + 1 tokens, bit for bit.
-    A window starts the keys at p - window_left. Every row sees at least key p.
+    at p sees keys < p + 1, which makes it the decode of a sequence of p + 1 tokens, bit for bit;
+    a non-causal row sees up to p + window_right (HAS_WINDOW_RIGHT). A window starts the keys at
+    p - window_left. p < 0 (more queries than keys, causal) or seq_len 0: no key at all.
     """
     if VARLEN_ROWS:
         seq = _find_row_sequence(cu_seqlens_q_ptr, num_seqs, row).to(tl.int64)
         seq_len = tl.load(seq_lens_ptr + seq)
         pos = seq_len - (tl.load(cu_seqlens_q_ptr + seq + 1) - row)
-        kv_hi = tl.where(causal != 0, pos + 1, seq_len)
+        if HAS_WINDOW_RIGHT:
+            right = tl.minimum(seq_len, pos + window_right + 1)
+        else:
+            right = seq_len
+        kv_hi = tl.where(causal != 0, pos + 1, right)
     else:
         seq = row
         seq_len = tl.load(seq_lens_ptr + seq)
@@ -81,20 +87,22 @@ def _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_le
 # i.e. compile stalls mid-serving and compiles during CUDA-graph capture. The same holds for
 # the batch size, the window and the causal flag (0 or 1) of the row-wise (batch-invariant) mode.
 @triton.jit(do_not_specialize=["partition_size", "num_splits", "block_table_stride", "num_seqs", "row_offset",
-                               "causal", "window_left"])
+                               "causal", "window_left", "window_right", "k_scale_seq_stride",
+                               "k_scale_head_stride", "v_scale_seq_stride", "v_scale_head_stride"])
 def _decode_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
         k_scale_ptr, v_scale_ptr, part_out_ptr, part_lse_ptr, sinks_ptr, alibi_slopes_ptr, lse_ptr,
-        qk_scale_log2, softcap_log2, window_left, partition_size, num_splits, num_seqs, row_offset, causal,
+        qk_scale_log2, softcap_log2, inv_softcap, window_left, window_right, partition_size, num_splits, num_seqs,
+        row_offset, causal, k_scale_seq_stride, k_scale_head_stride, v_scale_seq_stride, v_scale_head_stride,
         q_stride_token, q_stride_head, o_stride_token, o_stride_head,
         k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
         block_table_stride,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-        K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr, FP8_FORMAT: tl.constexpr,
+        FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
         ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr, VARLEN_ROWS: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-        WRITE_LSE: tl.constexpr,
+        WRITE_LSE: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Shapes are constexpr: masks against HEAD_SIZE then have compile-time constancy, which
     # is what lets Triton vectorize the K/V row loads.
@@ -104,11 +112,16 @@ def _decode_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP_SIZE
     seq, pos_q, kv_lo, kv_hi = _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
-                                           VARLEN_ROWS, HAS_WINDOW)
-    # Partitions cover the visible keys only: a window skips every block before it.
+                                           window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
+    # Partitions cover the visible keys only: a window skips every block before it. Every key of
+    # [start, end) is visible to every row of the program (they are one query token's heads), so
+    # a hidden key's K or V is never even loaded (masked loads give 0 past end).
     start = kv_lo + split * partition_size
-    if start >= kv_hi:  # partition past this row's keys: the reducer never reads it
-        return
+    if SPLIT:
+        if start >= kv_hi:  # partition past this row's keys: the reducer never reads it
+            return
+    # Unsplit, the one program of a row without keys (seq_len 0) runs no tile and writes out 0,
+    # lse -inf (or the sink's): finish_rows.
     end = tl.minimum(start + partition_size, kv_hi)
 
     rows = tl.arange(0, BLOCK_M)
@@ -123,7 +136,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
                 mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
     # fp8 caches: k_scale folds into the score scale, v_scale into the final output.
-    qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
+    qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, seq, kv_head, k_scale_seq_stride, k_scale_head_stride)
     if HAS_ALIBI:  # slope * (j - p) in base 2: [BLOCK_M]
         alibi = tl.load(alibi_slopes_ptr + heads, mask=row_mask, other=0.0) * LOG2E
 
@@ -139,7 +152,7 @@ def _decode_kernel(
                          k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
         v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
                          v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        s = score_tile(q, k, qk_scale, softcap_log2, DOT_PRECISION, HAS_SOFTCAP)
+        s = score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP)
         if HAS_ALIBI:
             s += alibi[:, None] * (pos - pos_q).to(tl.float32)[None, :]
         # Every position of [start, end) is visible to the row: its first tile is never empty.
@@ -147,10 +160,11 @@ def _decode_kernel(
                                             COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, False)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
+    v_scale = load_scale(v_scale_ptr, seq, kv_head, v_scale_seq_stride, v_scale_head_stride)
     if SPLIT:
         # part_out: [rows, num_heads, num_splits, head_size] fp32; part_lse: [.., num_splits]. The
-        # sink joins once, in the reduce.
-        out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+        # sink joins once, in the reduce. A partition that exists holds keys: l_i >= 1.
+        out = acc * (v_scale / l_i[:, None])
         part = (local_row * num_heads + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
@@ -159,24 +173,25 @@ def _decode_kernel(
             sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
         else:
             sink = 0.0
-        alpha, total, lse2 = finish_rows(m_i, l_i, sink, HAS_SINKS)
-        if HAS_SINKS:
-            out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) * alpha / total)[:, None]
-        else:
-            out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+        factor, lse2 = finish_rows(m_i, l_i, sink, v_scale, HAS_SINKS)
+        out = acc * factor[:, None]
         out_rows = tl.multiple_of(row * o_stride_token + heads * o_stride_head, ROW_ALIGN)
         store_rows(out_ptr + out_rows[:, None] + dims[None, :], out, out_mask, ROUND_BF16)
         if WRITE_LSE:  # lse: [rows, num_heads] float32, natural log
-            tl.store(lse_ptr + row * num_heads + heads, lse2 * LN2, mask=row_mask)
+            lse_nat = lse2 * LN2
+            if HAS_SINKS:  # a row without keys: the sink itself, not its round trip through base 2
+                lse_nat = tl.where(l_i == 0.0, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0), lse_nat)
+            tl.store(lse_ptr + row * num_heads + heads, lse_nat, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["partition_size", "num_splits", "num_seqs", "row_offset", "causal", "window_left"])
+@triton.jit(do_not_specialize=["partition_size", "num_splits", "num_seqs", "row_offset", "causal", "window_left",
+                               "window_right"])
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_seqlens_q_ptr, sinks_ptr, lse_ptr,
-                          window_left, partition_size, num_splits, num_seqs, row_offset, causal,
+                          window_left, window_right, partition_size, num_splits, num_seqs, row_offset, causal,
                           o_stride_token, o_stride_head,
                           HEAD_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr, VARLEN_ROWS: tl.constexpr,
                           HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
-                          SPLIT_CHUNK: tl.constexpr, HEAD_PAD: tl.constexpr):
+                          HAS_WINDOW_RIGHT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_PAD: tl.constexpr):
     # Grid: (row, head). Merge the partitions that hold tokens, weighted by exp2(lse - max), in
     # one fixed order for a row (its partition count depends on the row alone).
     # SPLIT_CHUNK partitions at a time: batch-1 long-context decode uses hundreds of splits,
@@ -186,8 +201,8 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
     head = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1)
     _, _, kv_lo, kv_hi = _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
-                                     VARLEN_ROWS, HAS_WINDOW)
-    num_parts = tl.cdiv(kv_hi - kv_lo, partition_size)
+                                     window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
+    num_parts = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), partition_size)  # 0 for a row without keys
     first = (local_row * num_heads + head) * num_splits  # part_lse / part_out row of split 0
     chunk = tl.arange(0, SPLIT_CHUNK)
     lse_max = tl.full([SPLIT_CHUNK], float("-inf"), tl.float32)
@@ -195,9 +210,11 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
         lse = tl.load(part_lse_ptr + first + c + chunk, mask=c + chunk < num_parts, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
     m = tl.max(lse_max, 0)
-    if HAS_SINKS:  # the sink (base 2) joins the denominator once, here
+    if HAS_SINKS:  # the sink (base 2) joins the denominator once, here (finish_rows' rules)
         sink = tl.load(sinks_ptr + head) * LOG2E
-        m = tl.maximum(m, sink)
+        m = tl.where(sink > m, sink, m)
+    # No partition (a row without keys) and no finite sink: weights 0, not exp2(-inf - -inf).
+    m = tl.where(m == float("-inf"), 0.0, m)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE
     weight_sum = tl.zeros([SPLIT_CHUNK], tl.float32)
@@ -212,11 +229,16 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
         acc += tl.sum(parts * w[:, None], 0)
     total = tl.sum(weight_sum, 0)
     if HAS_SINKS:
-        total += tl.exp2(sink - m)
-    store_rows(out_ptr + row * o_stride_token + head * o_stride_head + dims, acc / total, dim_mask,
+        total += tl.where(sink == m, 1.0, tl.exp2(sink - m))  # a +inf sink weighs 1, not NaN
+    # total 0: no key and no sink weight, out 0 and lse -inf.
+    merged = tl.where(total == 0.0, 0.0, acc / total)
+    store_rows(out_ptr + row * o_stride_token + head * o_stride_head + dims, merged, dim_mask,
                ROUND_BF16)
     if WRITE_LSE:
-        tl.store(lse_ptr + row * num_heads + head, (m + tl.log2(total)) * LN2)
+        lse_nat = (m + tl.log2(total)) * LN2
+        if HAS_SINKS:  # a row without keys: the sink itself, not its round trip through base 2
+            lse_nat = tl.where(num_parts <= 0, tl.load(sinks_ptr + head), lse_nat)
+        tl.store(lse_ptr + row * num_heads + head, lse_nat)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +266,8 @@ def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch
         # Pipelining the byte loads (num_stages 2) takes every register and still spills.
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
     if dtype == torch.float32 and pad > 64:
-        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_scale": 1.0}
+        # num_stages 2 spilled 8 B on sm_90 once issue #27's kernel changes were in
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
     if pad == 128 and cache_dtype is not None and is_fp8(cache_dtype):
         # fp8 bytes widened to 128-wide 16-bit rows: 64-token tiles spill a few bytes (4 warps on
         # sm_80, 8 warps on sm_90).
@@ -289,9 +312,12 @@ def partition_for(max_len: int, num_splits: int, block_n: int) -> tuple[int, int
 
 
 def visible_bound(max_len: int, variants: Variants, causal: bool = True) -> int:
-    """Upper bound on the keys one row reads: a causal window holds window_left + 1 keys at most."""
+    """Upper bound on the keys one row reads: a causal window holds window_left + 1 keys at most,
+    a non-causal one with both edges window_left + 1 + window_right."""
     if variants.has_window and causal:
         return max(1, min(max_len, variants.window_left + 1))
+    if variants.has_window and variants.has_window_right:
+        return max(1, min(max_len, variants.window_left + 1 + variants.window_right))
     return max_len
 
 
@@ -315,16 +341,17 @@ def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
 
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                      k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None,
-                     alibi_slopes=None, lse=None, batch_invariant=False) -> None:
+                     alibi_slopes=None, lse=None, batch_invariant=False, window_right=-1) -> None:
     """out[s] = softmax(scale * q[s] K_s^T) V_s over the first seq_lens[s] cached tokens, with the
     variants of paged_ops.reference.attention.
 
     out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads,
     head_size] (any strides); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     lse: [num_seqs, num_heads] float32. batch_invariant: the row-wise path (run_rows) that prefill
-    rows take too, with a fixed config and split size.
+    rows take too, with a fixed config and split size. window_right changes nothing (decode is
+    causal: a row stops at its own position). A sequence of 0 tokens gets out 0, lse -inf.
     """
-    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)  # window_right: no effect
     if batch_invariant:
         # Sequence s is query row s: cu_seqlens_q = 0, 1, ..., num_seqs (built on the device, no sync).
         rows = torch.arange(query.shape[0] + 1, dtype=torch.int32, device=query.device)
@@ -348,7 +375,7 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
 
 def config_for(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None, alibi_slopes=None, lse=None,
-               batch_invariant=False) -> dict:
+               batch_invariant=False, window_right=-1) -> dict:
     """The config a decode_attention call with these arguments would use, plus its split
     count (``num_splits``); runs and benchmarks nothing."""
     variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
@@ -402,6 +429,7 @@ def run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seql
     split count of the grid (the rows' own partition counts depend on each row alone)."""
     num_rows, num_heads, head_size = query.shape
     block_size = key_cache.shape[1]
+    variants = variants.for_causal(causal)
     config = config or default_config(head_size, query.dtype, key_cache.dtype, variants)
     partition = BATCH_INVARIANT_PARTITION
     if partition % config["BLOCK_N"]:
@@ -425,8 +453,8 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads
-    k_scale_t, k_per_head = scale_arg(k_scale, query)
-    v_scale_t, v_per_head = scale_arg(v_scale, query)
+    k_scale_t, k_seq_stride, k_head_stride = scale_arg(k_scale, query)
+    v_scale_t, v_seq_stride, v_head_stride = scale_arg(v_scale, query)
     cdtype = compute_dtype(query.dtype)
     head_dim_pad = head_pad(head_size)
     if rows is None:
@@ -443,17 +471,18 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
     else:
         part_out = part_lse = out  # unused: SPLIT=False never touches them
     sinks_t, alibi_t, lse_t = variants.pointers(k_scale_t)
-    softcap_log2, window_left = variants.values()
+    softcap_log2, inv_softcap, window_left, window_right = variants.values()
     flags = variants.flags()
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens, cu_seqlens_q,
         k_scale_t, v_scale_t, part_out, part_lse, sinks_t, alibi_t, lse_t,
-        scale * _LOG2E, softcap_log2, window_left, partition, num_splits, num_seqs, row_offset, int(causal),
+        scale * _LOG2E, softcap_log2, inv_softcap, window_left, window_right, partition, num_splits, num_seqs,
+        row_offset, int(causal), k_seq_stride, k_head_stride, v_seq_stride, v_head_stride,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
         GROUP_SIZE=group_size, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
-        K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head, FP8_FORMAT=fp8_format(key_cache.dtype),
+        FP8_FORMAT=fp8_format(key_cache.dtype),
         COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
         ROUND_BF16=round_bf16(query.dtype),
         ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
@@ -464,7 +493,7 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
     if split:
         _decode_reduce_kernel[(num_rows, num_heads)](
             out, part_out, part_lse, seq_lens, cu_seqlens_q, sinks_t, lse_t,
-            window_left, partition, num_splits, num_seqs, row_offset, int(causal),
+            window_left, window_right, partition, num_splits, num_seqs, row_offset, int(causal),
             out.stride(0), out.stride(1), HEAD_SIZE=head_size, ROUND_BF16=round_bf16(query.dtype),
             VARLEN_ROWS=rows is not None, HAS_WINDOW=flags["HAS_WINDOW"], HAS_SINKS=flags["HAS_SINKS"],
-            WRITE_LSE=flags["WRITE_LSE"], SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, HEAD_PAD=head_dim_pad, num_warps=4)
+            WRITE_LSE=flags["WRITE_LSE"], HAS_WINDOW_RIGHT=flags["HAS_WINDOW_RIGHT"], SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, HEAD_PAD=head_dim_pad, num_warps=4)

@@ -28,8 +28,8 @@ from . import autotune
 from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, is_fp8, kv_view, next_pow2, round_bf16, row_align, scale_arg, tl_dtype,
                       Variants)
-from ._tiles import (finish_rows, load_kv_tile, load_scale, locate_tokens, online_softmax_step, score_tile,
-                     store_rows)
+from ._tiles import (FP8_NONE, finish_rows, fp8_bits_to_float, load_kv_tile, load_scale, locate_tokens,
+                     online_softmax_step, round_to_bf16, score_tile, soft_cap, store_rows)
 from . import decode
 from .decode import LN2, LOG2E, PLAIN
 
@@ -50,23 +50,133 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo
 
 
+@triton.jit
+def _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
+             window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+             k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+             KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr, CAUSAL: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
+             HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One KV tile of the flash loop. q_abs: [BLOCK_M] each row's position p in the sequence;
+    [all_lo, all_hi): the keys every row of the query tile sees.
+
+    Not MASKED (the fast path): every row sees every key of the tile below kv_end.
+    MASKED: the tile holds keys hidden from some row (the causal diagonal, a window's edges).
+    Rows may see nothing yet (m -inf: 0 is subtracted instead), and a hidden key's V must not
+    reach a row that cannot see it: p = 0 there, but 0 * inf and 0 * NaN are NaN in P @ V. So a
+    key outside [all_lo, all_hi) whose V holds a non-finite value is read as 0 by the dot, for
+    every row, and counted (the returned num_bad): _add_hidden_nonfinite_values adds p * v for
+    exactly the rows that see it after the loop. Finite values take the plain path (0 * finite =
+    0 exactly), and so does a non-finite V every row sees.
+    """
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    valid = pos < kv_end
+    block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
+    k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                     k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+    v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                     v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+    s = score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP)
+    if HAS_ALIBI:
+        s += alibi[:, None] * (pos[None, :] - q_abs[:, None]).to(tl.float32)
+    if MASKED:
+        visible = valid[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_abs[:, None])
+        elif HAS_WINDOW_RIGHT:
+            visible = visible & (pos[None, :] <= q_abs[:, None] + window_right)
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] >= q_abs[:, None] - window_left)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if ROUND_BF16:  # interpreter, bf16 query: the GPU's bf16 P operand
+            p_op = round_to_bf16(p)
+        else:
+            p_op = p.to(COMPUTE_DTYPE)
+        nonfinite = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1) > 0  # [BLOCK_N]
+        bad = nonfinite & ((pos < all_lo) | (pos >= all_hi))  # hidden from some row (past kv_end: loaded 0)
+        v = tl.where(bad[:, None], 0.0, v).to(COMPUTE_DTYPE)
+        acc = acc * alpha[:, None]
+        num_bad = tl.sum(bad.to(tl.int32), 0)
+        acc += tl.dot(p_op, v, input_precision=DOT_PRECISION)
+    else:
+        m_i, l_i, acc = online_softmax_step(s, valid[None, :], v, m_i, l_i, acc, COMPUTE_DTYPE, DOT_PRECISION,
+                                            ROUND_BF16, False)
+        m_new = m_i
+        num_bad = 0
+    return m_new, l_i, acc, num_bad
+
+
+@triton.jit
+def _add_hidden_nonfinite_values(lo, hi, all_lo, all_hi, out_ptr, out_offs, io_mask, lse2, v_scale, q, q_abs, alibi,
+                                 qk_scale, softcap_log2, inv_softcap, window_left, window_right, table_row,
+                                 k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask, k_stride_block, k_stride_token,
+                                 k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+                                 KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                                 ROUND_BF16: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                                 HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Adds to the stored rows p * v (IEEE) of every key in [lo, hi) that is hidden from some
+    row and holds a non-finite V (the keys the masked tiles read as 0), for exactly the rows that
+    see it; p = exp2(s - lse) * v_scale, the weight the row's normalized output gives the key.
+    Runs only when the loop met such a key, after the rows are stored, one key at a time: the KV
+    loop's registers stay those of the plain step (an accumulator carried into this pass made
+    true-fp32 kernels spill)."""
+    for j in range(lo, hi):
+        block_j = tl.load(table_row + j // KV_BLOCK_SIZE).to(tl.int64)
+        offset_j = block_j * 0 + j % KV_BLOCK_SIZE  # int64 (j is a plain int under the interpreter)
+        v_j = tl.load(v_cache_ptr + block_j * v_stride_block + offset_j * v_stride_token
+                      + kv_head.to(tl.int64) * v_stride_head + dims, mask=dim_mask, other=0)
+        if FP8_FORMAT != FP8_NONE:
+            v_j = fp8_bits_to_float(v_j, FP8_FORMAT)
+        v_j = v_j.to(COMPUTE_DTYPE).to(tl.float32)
+        bad = (tl.max(tl.where(tl.abs(v_j) < float("inf"), 0, 1), 0) > 0) & ((j < all_lo) | (j >= all_hi))
+        if bad:
+            k_j = tl.load(k_cache_ptr + block_j * k_stride_block + offset_j * k_stride_token
+                          + kv_head.to(tl.int64) * k_stride_head + dims, mask=dim_mask, other=0)
+            if FP8_FORMAT != FP8_NONE:
+                k_j = fp8_bits_to_float(k_j, FP8_FORMAT)
+            s_j = tl.sum(q.to(tl.float32) * k_j.to(COMPUTE_DTYPE).to(tl.float32)[None, :], 1) * qk_scale
+            if HAS_SOFTCAP:
+                s_j = soft_cap(s_j, softcap_log2, inv_softcap)
+            if HAS_ALIBI:
+                s_j += alibi * (j - q_abs).to(tl.float32)
+            sees_j = q_abs == q_abs  # [BLOCK_M], all True; the rows' own limits below
+            if CAUSAL:
+                sees_j = sees_j & (j <= q_abs)
+            elif HAS_WINDOW_RIGHT:
+                sees_j = sees_j & (j <= q_abs + window_right)
+            if HAS_WINDOW:
+                sees_j = sees_j & (j >= q_abs - window_left)
+            p_j = tl.exp2(s_j - lse2) * v_scale
+            rows = tl.load(out_ptr + out_offs[:, None] + dims[None, :], mask=io_mask, other=0.0).to(tl.float32)
+            rows += tl.where(sees_j[:, None], p_j[:, None] * v_j[None, :], 0.0)
+            store_rows(out_ptr + out_offs[:, None] + dims[None, :], rows, io_mask, ROUND_BF16)
+
+
 # The batch size and the block-table width change from step to step of a serving engine: not
 # specialized, or Triton compiles a variant whenever one of them is 1 or a multiple of 16 (the
-# window likewise: one variant for every window size).
-@triton.jit(do_not_specialize=["num_seqs", "block_table_stride", "window_left"])
+# windows and scale strides likewise: one variant for every window size and scale form).
+@triton.jit(do_not_specialize=["num_seqs", "block_table_stride", "window_left", "window_right",
+                               "k_scale_seq_stride", "k_scale_head_stride", "v_scale_seq_stride",
+                               "v_scale_head_stride"])
 def _prefill_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         k_scale_ptr, v_scale_ptr, sinks_ptr, alibi_slopes_ptr, lse_ptr,
-        qk_scale_log2, softcap_log2, window_left, num_seqs,
+        qk_scale_log2, softcap_log2, inv_softcap, window_left, window_right, num_seqs,
+        k_scale_seq_stride, k_scale_head_stride, v_scale_seq_stride, v_scale_head_stride,
         q_stride_token, q_stride_head, o_stride_token, o_stride_head,
         k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
         block_table_stride,
         GROUP_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
-        CAUSAL: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
-        FP8_FORMAT: tl.constexpr,
+        CAUSAL: tl.constexpr, FP8_FORMAT: tl.constexpr,
         COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
-        WRITE_LSE: tl.constexpr,
+        WRITE_LSE: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, FAST_TILES: tl.constexpr,
         ROW_ALIGN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
     BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_SIZE
     tile = tl.program_id(0)
@@ -79,10 +189,11 @@ def _prefill_kernel(
         return
     seq = seq.to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + seq)
-    context = seq_len - q_len  # tokens cached before this chunk
+    context = seq_len - q_len  # tokens cached before this chunk (negative: more queries than keys)
 
     rows = tl.arange(0, BLOCK_M)
     q_pos = q_tile_start + rows // GROUP_SIZE  # position within this sequence's queries
+    q_abs = context + q_pos  # position p in the sequence
     heads = (kv_head * GROUP_SIZE + rows % GROUP_SIZE).to(tl.int64)  # int64: head * stride never wraps
     row_mask = (rows < BLOCK_Q * GROUP_SIZE) & (q_pos < q_len)
     dims = tl.arange(0, HEAD_PAD)
@@ -94,61 +205,110 @@ def _prefill_kernel(
     q_offs = tl.multiple_of(q_rows * q_stride_token + heads * q_stride_head, ROW_ALIGN)
     q = tl.load(q_ptr + q_offs[:, None] + dims[None, :],
                 mask=io_mask, other=0.0).to(COMPUTE_DTYPE)
-    qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, kv_head, K_PER_HEAD)
+    qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, seq, kv_head, k_scale_seq_stride, k_scale_head_stride)
     if HAS_ALIBI:  # slope * (j - p) in base 2: [BLOCK_M]
         alibi = tl.load(alibi_slopes_ptr + heads, mask=row_mask, other=0.0) * LOG2E
+    else:
+        alibi = 0.0
 
+    # The keys some row of the tile sees, [kv_start, kv_end), and those every row sees,
+    # [all_lo, all_hi), from its first and last rows' positions: tiles outside the first are never
+    # read (the cost follows the windows and the diagonal, not the context), tiles inside the
+    # second take the unmasked fast path.
+    p_first = context + q_tile_start
+    p_last = context + tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
     if CAUSAL:
-        # The tile's last query sees up to context + last_q: later KV tiles are fully masked.
-        kv_end = tl.minimum(seq_len, context + tl.minimum(q_tile_start + BLOCK_Q, q_len))
+        kv_end = tl.minimum(seq_len, p_last + 1)
+        all_hi = p_first + 1
+    elif HAS_WINDOW_RIGHT:
+        kv_end = tl.minimum(seq_len, p_last + window_right + 1)
+        all_hi = p_first + window_right + 1
     else:
         kv_end = seq_len
+        all_hi = seq_len
     if HAS_WINDOW:
-        # The tile's first query sees from context + q_tile_start - window_left: earlier KV is
-        # never read, so the cost follows the window, not the context.
-        kv_start = tl.maximum(context + q_tile_start - window_left, 0)
+        kv_start = tl.maximum(p_first - window_left, 0)
+        all_lo = tl.maximum(p_last - window_left, 0)
     else:
         kv_start = 0
+        all_lo = 0
+    num_tiles = tl.cdiv(tl.maximum(kv_end - kv_start, 0), BLOCK_N)
+    head_tiles = tl.minimum(tl.cdiv(tl.maximum(all_lo - kv_start, 0), BLOCK_N), num_tiles)
+    full_tiles = tl.where(kv_end <= all_hi, num_tiles,
+                          tl.minimum(tl.maximum(all_hi - kv_start, 0) // BLOCK_N, num_tiles))
+    full_end = kv_start + tl.maximum(head_tiles, full_tiles) * BLOCK_N
+    head_end = kv_start + head_tiles * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     table_row = block_tables_ptr + seq * block_table_stride
-    # Without a window, position 0 is visible to every row (context + q_pos >= 0), so each row's
-    # running max is finite after the first tile, as online_softmax_step requires; with one, a
-    # later row's window may start tiles later (MAY_BE_EMPTY).
-    for tile_start in range(kv_start, kv_end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = pos < kv_end
-        block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
-        k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        s = score_tile(q, k, qk_scale, softcap_log2, DOT_PRECISION, HAS_SOFTCAP)
-        if HAS_ALIBI:
-            s += alibi[:, None] * (pos[None, :] - (context + q_pos)[:, None]).to(tl.float32)
-        visible = valid[None, :]
-        if CAUSAL:
-            visible = visible & (pos[None, :] <= context + q_pos[:, None])
+    hidden_nonfinite = 0  # keys hidden from some row with a non-finite V, read as 0 by the loop
+    if FAST_TILES:
+        # Tiles before the last row's window starts (only with a window), tiles every row sees
+        # whole (the fast path), tiles past the first row's last key (the causal diagonal, the
+        # right window's edge).
         if HAS_WINDOW:
-            visible = visible & (pos[None, :] >= context + q_pos[:, None] - window_left)
-        m_i, l_i, acc = online_softmax_step(s, visible, v, m_i, l_i, acc,
-                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, HAS_WINDOW)
+            for tile_start in range(kv_start, head_end, BLOCK_N):
+                m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
+                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
+                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, True, BLOCK_N)
+                hidden_nonfinite += n
+        for tile_start in range(head_end, full_end, BLOCK_N):
+            m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
+                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
+                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, False, BLOCK_N)
+        if CAUSAL or HAS_WINDOW_RIGHT:
+            for tile_start in range(full_end, kv_end, BLOCK_N):
+                m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
+                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
+                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, True, BLOCK_N)
+                hidden_nonfinite += n
+    else:
+        # One loop, every tile masked: true-fp32 (FMA) dots keep their registers only so.
+        for tile_start in range(kv_start, kv_end, BLOCK_N):
+            m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
+                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
+                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
+                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, True, BLOCK_N)
+            hidden_nonfinite += n
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
     else:
         sink = 0.0
-    alpha, total, lse2 = finish_rows(m_i, l_i, sink, HAS_SINKS)
-    if HAS_SINKS:
-        out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) * alpha / total)[:, None]
-    else:
-        out = acc * (load_scale(v_scale_ptr, kv_head, V_PER_HEAD) / l_i[:, None])
+    v_scale = load_scale(v_scale_ptr, seq, kv_head, v_scale_seq_stride, v_scale_head_stride)
+    factor, lse2 = finish_rows(m_i, l_i, sink, v_scale, HAS_SINKS)  # rows without keys: out 0, lse -inf
+    out = acc * factor[:, None]
     out_offs = tl.multiple_of(q_rows * o_stride_token + heads * o_stride_head, ROW_ALIGN)
     store_rows(out_ptr + out_offs[:, None] + dims[None, :], out, io_mask, ROUND_BF16)
     if WRITE_LSE:  # lse: [total_q, num_heads] float32, natural log
-        tl.store(lse_ptr + q_rows * (tl.num_programs(1) * GROUP_SIZE) + heads, lse2 * LN2, mask=row_mask)
+        lse_nat = lse2 * LN2
+        if HAS_SINKS:  # a row without keys: the sink itself, not its round trip through base 2
+            lse_nat = tl.where(l_i == 0.0, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0), lse_nat)
+        tl.store(lse_ptr + q_rows * (tl.num_programs(1) * GROUP_SIZE) + heads, lse_nat, mask=row_mask)
+    if hidden_nonfinite > 0:  # poisoned or overflowed values only
+        _add_hidden_nonfinite_values(kv_start, kv_end, all_lo, all_hi, out_ptr, out_offs, io_mask, lse2, v_scale, q,
+                                     q_abs, alibi, qk_scale, softcap_log2, inv_softcap, window_left, window_right,
+                                     table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask, k_stride_block,
+                                     k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
+                                     KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, ROUND_BF16, CAUSAL, HAS_SOFTCAP,
+                                     HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI)
+
+
+def fast_tiles(query_dtype: torch.dtype) -> bool:
+    """Constexpr FAST_TILES of the prefill kernel: tiles every row of the query tile sees whole
+    take a loop of their own without masks (16-bit dots). True-fp32 dots (FMA units) spilled
+    hundreds of bytes per thread on sm_80 and sm_90 with more than one KV loop in the kernel
+    (aot.compile_launch), so fp32 keeps one loop whose tiles all take the masked step."""
+    return query_dtype != torch.float32
 
 
 # Under the interpreter: one fixed config (no tuning).
@@ -171,15 +331,14 @@ def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch
             return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}  # 32 x 256: sm_80 spilled
     if dtype == torch.float32:
-        if pad <= 64:
-            return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-        if pad <= 128:
-            return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
+        # 64-row tiles spilled 0.5-2 KB per thread on sm_90 once the masked tiles' handling of
+        # hidden non-finite values (issue #27) was in the kernel; 32 x 16 spill nowhere.
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
     if pad > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
-    if pad > 64:  # 128-wide rows: 64 x 64 tiles spill on sm_80 (with 4 and with 8 warps)
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
+    if pad > 64:  # 128-wide rows: 64 x 64 tiles spill on sm_80 (with 4 and with 8 warps), 64 x 32
+        # with 4 warps too once the masked tiles' non-finite handling (issue #27) was in
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
@@ -199,6 +358,11 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
     elif dtype != torch.float32 and fp8_cache and pad <= 128:
         config["num_warps"] = 8
         config["BLOCK_N"] = min(config["BLOCK_N"], 32)
+    elif dtype != torch.float32 and pad > 128:  # every variant at 256: sm_80 spilled 36 B, fp8 64-192 B
+        if fp8_cache:
+            config["BLOCK_M"] = 32
+        else:
+            config["BLOCK_N"] = 16
     return config
 
 
@@ -226,7 +390,8 @@ def tuning_key(query, key_cache, block_tables, max_seqlen_q: int, causal: bool, 
 
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, scale, causal, k_scale=None, v_scale=None, softcap=0.0,
-                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False) -> None:
+                      window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False,
+                      window_right=-1) -> None:
     """Varlen attention of each sequence's new query rows over its first seq_lens[s] cached tokens,
     with the variants of paged_ops.reference.attention.
 
@@ -235,7 +400,8 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
     lse: [total_q, num_heads] float32. batch_invariant: every row goes through decode's row-wise
     path (decode.run_rows), so a causal row at position p gives the bits of a decode of p + 1 tokens.
     """
-    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse,
+                        int(window_right)).for_causal(bool(causal))
     if batch_invariant:
         if query.shape[0]:
             decode.run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, causal,
@@ -257,10 +423,11 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
 
 def config_for(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                max_seqlen_q, scale, causal, k_scale=None, v_scale=None, softcap=0.0, window_left=-1, sinks=None,
-               alibi_slopes=None, lse=None, batch_invariant=False) -> dict:
+               alibi_slopes=None, lse=None, batch_invariant=False, window_right=-1) -> dict:
     """The config a prefill_attention call with these arguments would use; runs nothing. In the
     batch-invariant mode: decode's fixed row-wise config, with its split count."""
-    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
+    variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse,
+                        int(window_right)).for_causal(bool(causal))
     if batch_invariant:
         config = decode.default_config(query.shape[2], query.dtype, key_cache.dtype, variants)
         bound = decode.visible_bound(decode.max_len_bound(block_tables, key_cache.shape[1]), variants, causal)
@@ -282,10 +449,11 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
     # it, so no row is left unwritten when it is too small. Only no rows at all means no work.
     if query.shape[0] == 0:
         return
-    k_scale_t, k_per_head = scale_arg(k_scale, query)
-    v_scale_t, v_per_head = scale_arg(v_scale, query)
+    variants = variants.for_causal(bool(causal))
+    k_scale_t, k_seq_stride, k_head_stride = scale_arg(k_scale, query)
+    v_scale_t, v_seq_stride, v_head_stride = scale_arg(v_scale, query)
     sinks_t, alibi_t, lse_t = variants.pointers(k_scale_t)
-    softcap_log2, window_left = variants.values()
+    softcap_log2, inv_softcap, window_left, window_right = variants.values()
     cdtype = compute_dtype(query.dtype)
     # Flat query-tile axis (see the module docstring): an upper bound that needs no host sync.
     grid = (query.shape[0] // (block_m // group_size) + num_seqs, num_kv_heads)
@@ -293,15 +461,16 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
         _prefill_kernel[grid](
             out, query, kv_view(key_cache), kv_view(value_cache), block_tables, cu_seqlens_q, seq_lens,
             k_scale_t, v_scale_t, sinks_t, alibi_t, lse_t,
-            scale * _LOG2E, softcap_log2, window_left, num_seqs,
+            scale * _LOG2E, softcap_log2, inv_softcap, window_left, window_right, num_seqs,
+            k_seq_stride, k_head_stride, v_seq_stride, v_head_stride,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
             GROUP_SIZE=group_size, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
-            CAUSAL=bool(causal), K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
+            CAUSAL=bool(causal),
             FP8_FORMAT=fp8_format(key_cache.dtype),
             COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
-            ROUND_BF16=round_bf16(query.dtype), **variants.flags(),
+            ROUND_BF16=round_bf16(query.dtype), **variants.flags(), FAST_TILES=fast_tiles(query.dtype),
             ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
                                 *value_cache.stride()[:3]),
             BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_pad(head_size),
