@@ -268,7 +268,9 @@ def merge_states(out, out_lse, states, states_lse) -> None:
     over no key does. A state with lse +inf or NaN makes the row NaN.
     """
     lse = states_lse.to(torch.float64)  # [T, N, H]
-    m = lse.amax(dim=1, keepdim=True) if lse.shape[1] else torch.full_like(lse[:, :1], -math.inf)
+    num_tokens, num_states, num_heads = lse.shape
+    m = (lse.amax(dim=1, keepdim=True) if num_states else
+         torch.full((num_tokens, 1, num_heads), -math.inf, dtype=torch.float64))
     bad = torch.isnan(lse).any(dim=1, keepdim=True) | torch.isposinf(lse).any(dim=1, keepdim=True)
     m = torch.where(torch.isneginf(m), 0.0, m)  # every state empty: weights 0, not NaN
     w = torch.exp(lse - m)  # [T, N, H]; 0 where lse is -inf

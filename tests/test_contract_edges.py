@@ -102,7 +102,7 @@ def test_hidden_nonfinite_value_keeps_batch_invariant_rows_equal_to_decode(backe
 
 
 @pytest.mark.parametrize("backend,window_left,window_right,causal", params(
-    ((5, -1, True), (20, -1, True), (3, 4, False), (-1, 2, False), (10, 0, False))))
+    ((5, -1, True), (20, -1, True), (3, 4, False), (8, 2, False), (10, 0, False))))
 def test_tokens_outside_every_window_hold_inf(backend, window_left, window_right, causal):
     # Windows leave tokens no row sees; they hold inf in K and V (poison_hidden) and must stay out.
     device = device_of(backend)
@@ -335,6 +335,9 @@ def test_merge_states_with_no_state_and_no_token(backend):
     paged_ops.backend(backend).merge_states(out, out_lse, torch.empty(3, 0, 2, 16, device=device),
                                             torch.empty(3, 0, 2, device=device))
     assert (out.cpu() == 0).all() and (out_lse.cpu() == -INF).all()
+    ref, ref_lse = torch.empty(3, 2, 16, dtype=torch.float64), torch.empty(3, 2, dtype=torch.float64)
+    reference.merge_states(ref, ref_lse, torch.empty(3, 0, 2, 16), torch.empty(3, 0, 2))
+    assert (ref == 0).all() and (ref_lse == -INF).all()
     paged_ops.backend(backend).merge_states(torch.empty(0, 2, 16, device=device), None,
                                             torch.empty(0, 3, 2, 16, device=device), torch.empty(0, 3, 2, device=device))
 
