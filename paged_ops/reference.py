@@ -163,6 +163,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
         terms = probs[hs, :, ks] * v[ks, hs, ds].unsqueeze(1)  # [n_bad, q_len]
         terms = torch.where(visible[:, ks].T, terms, 0.0)
         out.view(q_len, -1).index_add_(1, hs * v.shape[-1] + ds, terms.T)
+    # A NaN log-sum-exp (a NaN sink, a NaN score) is a NaN row, even over no key at all.
+    out = torch.where(torch.isnan(lse).transpose(0, 1).unsqueeze(-1), math.nan, out)
     return (out, lse.transpose(0, 1)) if return_lse else out
 
 

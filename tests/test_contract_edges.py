@@ -503,3 +503,17 @@ def test_wrappers_take_only_a_bool_batch_invariant(mode):
     d = make_case([10], num_heads=4, num_kv_heads=2, head_size=64, block_size=16)
     with pytest.raises(TypeError, match="batch_invariant"):
         paged_ops.decode_attention(*d.decode_args(nan_like(d.query)), batch_invariant=mode)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_sink_makes_a_row_nan_even_with_no_key(backend):
+    # The reference's sum over zero keys was 0 even when its lse was NaN; a NaN sink is a NaN row.
+    device = device_of(backend)
+    c = make_case([0, 12], num_heads=4, num_kv_heads=2, head_size=64, block_size=8, device=device)
+    sinks = torch.tensor([NAN, 0.5, -INF, INF], device=device)
+    lse = lse_buffer(c)
+    out = run_decode(backend, c, sinks=sinks, lse=lse)
+    ref, ref_lse = c.reference_decode_lse(sinks=sinks)
+    assert ref[:, 0].isnan().all() and out[:, 0].isnan().all() and lse.cpu()[:, 0].isnan().all()
+    assert (out[0, 1:] == 0).all() and (ref[0, 1:] == 0).all()
+    assert_close(out[1, 1:3], ref[1, 1:3], F32)
