@@ -94,6 +94,9 @@ def headline_case(profile: str) -> Case:
     return Case("decode_attention", "base")  # 16 seqs x 2048 tokens, 32/8 heads, d128, bf16, block 16
 
 
+MERGED_STATES = 4  # merge_states' partial results per row
+
+
 def cases(profile: str) -> list[Case]:
     """Every timed case of a profile: 'cpu' (make bench here), 'gpu' and 'cpu-small' (device_check.sh),
     'smoke' (tests/test_bench_smoke.py)."""
@@ -107,7 +110,7 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("copy_blocks", "base", num_layers=2, **small), bs)
                 + _sweeps(Case("swap_blocks", "base", **small), bs)
                 + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small),
-                   Case("merge_attention_states", "dtype", **small)])
+                   Case("merge_attention_states", "dtype", **small), Case("merge_states", "dtype", **small)])
     if profile == "gpu":  # device_check.sh: ~3 minutes for cuda + triton, Triton JIT and tuning included
         few = (1, 16, 256)
         # kv_heads 2 and 1: groups 16 and 32, the CUDA decode's shared-KV kernel (one block per KV head)
@@ -118,14 +121,14 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("copy_blocks", "base", num_seqs=32, context_len=2048, num_layers=8), few)
                 + _sweeps(Case("swap_blocks", "base", num_seqs=32, context_len=2048), few)
                 + [Case(op, "dtype", num_seqs=32, context_len=1024)
-                   for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states")])
+                   for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states", "merge_states")])
     if profile == "cpu-small":  # device_check.sh on a machine without a GPU: about a minute
         return (_sweeps(dec, (1, 16, 256), dtypes=("fp8_e4m3",))
                 + _sweeps(Case("prefill_attention", "base", num_seqs=1, context_len=512), (16,))
                 + [Case(op, "block_size", num_seqs=16, context_len=256, num_layers=2)
                    for op in ("reshape_and_cache", "copy_blocks", "swap_blocks")]
                 + [Case(op, "dtype", num_seqs=16, context_len=256)
-                   for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states")])
+                   for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states", "merge_states")])
     # cpu: sized for ~10 minutes of `make bench` on 2 shared cores
     return (_sweeps(dec, contexts=(256, 1024, 4096), batches=(1, 4, 64), kv_heads=(32, 16, 4),
                     dtypes=("float32", "float16", "fp8_e4m3"))
@@ -135,7 +138,7 @@ def cases(profile: str) -> list[Case]:
             + _sweeps(Case("copy_blocks", "base", num_seqs=16, context_len=1024, num_layers=4))
             + _sweeps(Case("swap_blocks", "base", num_seqs=16, context_len=1024))
             + [Case(op, "dtype", num_seqs=16, context_len=256, dtype=d)
-               for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states") for d in ("bfloat16", "float32")])
+               for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states", "merge_states") for d in ("bfloat16", "float32")])
 
 
 def default_profile() -> str:
@@ -245,6 +248,11 @@ def build_args(case: Case, device: str, seed: int) -> tuple:
         parts = [_rand((c.num_tokens, c.num_heads, c.head_size), dt, device, g) for _ in range(2)]
         lses = [torch.randn(c.num_tokens, c.num_heads, device=device, generator=g).mul_(4) for _ in range(2)]
         return (torch.empty_like(parts[0]), torch.empty_like(lses[0]), parts[0], lses[0], parts[1], lses[1])
+    if c.op == "merge_states":
+        # the same rows merged from MERGED_STATES partial results (split-KV, context parallelism)
+        states = _rand((c.num_tokens, MERGED_STATES, c.num_heads, c.head_size), dt, device, g)
+        lse = torch.randn(c.num_tokens, MERGED_STATES, c.num_heads, device=device, generator=g).mul_(4)
+        return (torch.empty_like(states[:, 0]), torch.empty_like(lse[:, 0]), states, lse)
     if c.op in ("quantize_fp8", "dequantize_fp8"):
         x = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
         f8 = torch.empty_like(x, dtype=torch.float8_e4m3fn)
@@ -294,6 +302,8 @@ def bytes_moved(case: Case) -> int:
         return c.num_tokens * row * (el + 1)
     if c.op == "merge_attention_states":  # read two partial outs and lses, write the out and its lse
         return 3 * c.num_tokens * c.num_heads * (c.head_size * el + 4)
+    if c.op == "merge_states":  # read the states and their lses, write the out and its lse
+        return (MERGED_STATES + 1) * c.num_tokens * c.num_heads * (c.head_size * el + 4)
     raise ValueError(c.op)
 
 
