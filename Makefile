@@ -41,8 +41,8 @@ OLDEST_TORCH := 2.11.0
 CPU_TORCH := 2.13.0
 TEST_VENV_DEPS := "scikit-build-core>=1.1" "cmake>=3.26" ninja numpy pytest pytest-benchmark hypothesis
 # The backend-independent contract: every op against the reference on each CPU-runnable backend.
-CONTRACT_TESTS = $(wildcard tests/test_ops.py tests/test_contract.py tests/test_cpu_backend.py tests/test_cuda_emu.py \
-    tests/test_packaging.py)
+CONTRACT_TESTS = $(wildcard tests/test_ops.py tests/test_contract.py tests/test_contract_edges.py tests/test_cpu_backend.py \
+    tests/test_cuda_emu.py tests/test_packaging.py)
 
 build/venv-oldest/.deps:
 	test -x build/venv-oldest/bin/python || $(PYTHON) -m venv build/venv-oldest
