@@ -17,25 +17,9 @@ from paged_ops import reference
 from paged_ops.testing import (assert_bits_equal, assert_close, assert_lse_close, make_case, nan_like, poison,
                                random_tensor)
 
-from .test_cpu_backend import poison_outside
+from .test_cpu_backend import isa, poison_outside, threads  # noqa: F401  (isa, threads: fixtures)
 
 cpu = paged_ops.backend("cpu")
-ISAS = list(torch.ops.paged_cpu.supported_isas())
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    previous = torch.ops.paged_cpu.set_isa(request.param)
-    yield request.param
-    torch.ops.paged_cpu.set_isa(previous)
-
-
-@pytest.fixture
-def threads():
-    """Restores the thread count a test changes."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def run(case, causal=True, decode=False, **kw):
