@@ -12,6 +12,7 @@ The 64-bit offset fixes are proven by tests/test_large_offsets.py (triton is one
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -175,8 +176,10 @@ def test_bf16_softmax_weights_are_rounded_like_the_gpu():
     decode.run_decode(out, q, kc, vc, tables, lens, d ** -0.5, None, None, decode.default_config(d, q.dtype), 1)
     k = kc[:, :, 0].reshape(-1, d)[:n].float()
     v = vc[:, :, 0].reshape(-1, d)[:n].double()
-    s = (q[0].float() @ k.T) * (d ** -0.5 * 1.4426950408889634)
-    p = torch.exp2(s - s.max())  # fp32, as in the kernel
+    # fp32 scores and exp2 by numpy, the interpreter's own arithmetic: torch's and numpy's fp32
+    # exp2 differ in the last bit on some builds (numpy 2.4 here), enough to flip a bf16 rounding.
+    s = (q[0].float().numpy() @ k.T.numpy()) * np.float32(d ** -0.5 * 1.4426950408889634)
+    p = torch.from_numpy(np.exp2(s - s.max()))  # fp32, as in the kernel
     gpu = (p.to(torch.bfloat16).double() @ v) / p.double().sum()
     unrounded = (p.double() @ v) / p.double().sum()
     gpu, unrounded = gpu[0].to(torch.bfloat16), unrounded[0]
