@@ -325,19 +325,28 @@ def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch
     if INTERPRET:
         return dict(DEFAULT_CONFIG)
     pad = head_pad(head_size)
-    if dtype == torch.float32 and cache_dtype is not None and is_fp8(cache_dtype):
-        # Pipelining the byte loads (num_stages 2) takes every register and still spills.
-        if pad <= 128:
+    fp8_cache = cache_dtype is not None and is_fp8(cache_dtype)
+    if dtype == torch.float32 and fp8_cache:
+        # Pipelining the byte loads (num_stages 2) takes every register and still spills; with
+        # issue #27's masked-tile handling 32 x 16 at 128-wide rows spilled 12 B on sm_90.
+        if pad <= 64:
             return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
+        if pad <= 128:
+            return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
         return {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 8, "num_stages": 1}  # 32 x 256: sm_80 spilled
     if dtype == torch.float32:
         # 64-row tiles spilled 0.5-2 KB per thread on sm_90 once the masked tiles' handling of
         # hidden non-finite values (issue #27) was in the kernel; 32 x 16 spill nowhere.
         return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
-    if pad > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator
-        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if pad > 128:  # 256-wide rows: smaller KV tiles, more warps for the accumulator; with #27's
+        # masked tiles 64 x 32 spilled 44 B (sm_80), and fp8 caches 20-72 B at 64 x 32 and 32 x 32
+        if fp8_cache:  # 8 warps (128 registers each) spilled 8-12 B on sm_90, 1 or 2 stages
+            return {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2}
     if pad > 64:  # 128-wide rows: 64 x 64 tiles spill on sm_80 (with 4 and with 8 warps), 64 x 32
         # with 4 warps too once the masked tiles' non-finite handling (issue #27) was in
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
+    if fp8_cache:  # 64-wide rows widened from fp8 bytes: 64 x 64 spilled 152 B on sm_80 with #27's tiles
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2}
     return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
@@ -359,8 +368,8 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
         config["num_warps"] = 8
         config["BLOCK_N"] = min(config["BLOCK_N"], 32)
     elif dtype != torch.float32 and pad > 128:  # every variant at 256: sm_80 spilled 36 B, fp8 64-192 B
-        if fp8_cache:
-            config["BLOCK_M"] = 32
+        if fp8_cache:  # the variant matrix's compile-checked config
+            config.update(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=2)
         else:
             config["BLOCK_N"] = 16
     return config
