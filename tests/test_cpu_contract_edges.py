@@ -17,18 +17,14 @@ from paged_ops import reference
 from paged_ops.testing import (assert_bits_equal, assert_close, assert_lse_close, make_case, nan_like, poison,
                                random_tensor)
 
-from .test_cpu_backend import isa, poison_outside, threads  # noqa: F401  (isa, threads: fixtures)
+from .test_cpu_backend import isa, poison_outside, run_cpu, threads  # noqa: F401  (isa, threads: fixtures)
 
 cpu = paged_ops.backend("cpu")
 
 
 def run(case, causal=True, decode=False, **kw):
-    out, lse = nan_like(case.query), poison(torch.empty(case.query.shape[:2]))
-    if decode:
-        cpu.decode_attention(*case.decode_args(out), lse=lse, **kw)
-    else:
-        cpu.prefill_attention(*case.prefill_args(out, causal), lse=lse, **kw)
-    return out, lse
+    """(out, lse) of the cpu backend (test_cpu_backend.run_cpu, variants as keywords)."""
+    return run_cpu(case, kw, causal, decode)
 
 
 def expected(case, causal=True, decode=False, **kw):
