@@ -42,14 +42,10 @@ void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream stream) 
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)), "cudaMemcpyAsync");
 }
 
-paged::LaunchConfig tuned(const paged::AttentionParams& p, bool decode) {
-  return tuning::lookup(tuning::shape_key(p, decode));
-}
-
 B::Target target(const at::Device& device) {
   const int index = device.index() >= 0 ? device.index() : c10::cuda::current_device();
   return B::Target{&paged::kCudaDecode, &paged::kCudaPrefill, &paged::kCudaCache,
-                   c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes, tuned,
+                   c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes, tuning::tuned_config,
                    &paged::kCudaMerge, &paged::kCudaMergeStates};
 }
 
@@ -139,13 +135,7 @@ void prefill_attention_config(Tensor& out, const Tensor& query, const Tensor& ke
 
 TORCH_LIBRARY(paged_cuda, m) {
   PAGED_OPS_DEFINE_SCHEMAS(m);
-  // Launch tuning (paged_ops/cuda_tuning.py): the key a call of this shape looks up, recording a
-  // tuned config for a key, and reading back what a key resolves to.
-  m.def("tuning_key(Tensor query, Tensor key_cache, Tensor block_tables, int max_seqlen_q, bool decode) -> str",
-        &paged_cuda::tuning::key_for_tensors);
-  m.def("set_tuned_config(str key, int threads, int partition_size, int kv_tile, int tensor_cores=0) -> ()",
-        &paged_cuda::tuning::set_config);
-  m.def("tuned_config(str key) -> int[]", &paged_cuda::tuning::get_config);
+  paged_cuda::tuning::define_ops(m);  // the tuning store's hooks (paged_ops/tuning.py)
 }
 
 TORCH_LIBRARY_IMPL(paged_cuda, CUDA, m) {

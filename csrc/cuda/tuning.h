@@ -15,6 +15,7 @@
 // the defaults until it is tuned again.
 #pragma once
 #include <ATen/ATen.h>
+#include <torch/library.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
 #include <fcntl.h>
@@ -205,6 +206,21 @@ inline std::string key_for_tensors(const at::Tensor& query, const at::Tensor& ke
     sms = 0;
   return shape_key(code(query.scalar_type()), code(key_cache.scalar_type()), int(query.size(2)), group,
                    int(key_cache.size(2)), int(key_cache.size(1)), num_seqs, len, decode, sms);
+}
+
+// The launch configuration of a call that names none (binding Target::tuned_config).
+inline paged::LaunchConfig tuned_config(const paged::AttentionParams& p, bool decode) {
+  return lookup(shape_key(p, decode));
+}
+
+// The ops paged_ops/tuning.py uses, in the paged_cuda namespace: the key a call of this shape looks
+// up, recording a tuned config for a key, and reading back what a key resolves to.
+inline void define_ops(torch::Library& m) {
+  m.def("tuning_key(Tensor query, Tensor key_cache, Tensor block_tables, int max_seqlen_q, bool decode) -> str",
+        &key_for_tensors);
+  m.def("set_tuned_config(str key, int threads, int partition_size, int kv_tile, int tensor_cores=0) -> ()",
+        &set_config);
+  m.def("tuned_config(str key) -> int[]", &get_config);
 }
 
 }  // namespace tuning

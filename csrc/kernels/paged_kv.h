@@ -74,12 +74,12 @@ struct PagedKV {
 template <typename KV>
 __device__ __forceinline__ PagedKV<KV> paged_k(const AttentionParams& p, int64_t seq, int kv_head) {
   return {static_cast<const KV*>(p.key_cache) + kv_head * p.k_stride_head, p.block_tables + seq * p.block_table_stride,
-          p.k_stride_block, p.k_stride_token, p.block_size};
+          p.k_stride_block, p.k_stride_token, int(p.block_size)};
 }
 template <typename KV>
 __device__ __forceinline__ PagedKV<KV> paged_v(const AttentionParams& p, int64_t seq, int kv_head) {
   return {static_cast<const KV*>(p.value_cache) + kv_head * p.v_stride_head, p.block_tables + seq * p.block_table_stride,
-          p.v_stride_block, p.v_stride_token, p.block_size};
+          p.v_stride_block, p.v_stride_token, int(p.block_size)};
 }
 
 // The row a write to `slot` (block id x block_size + offset, reshape_and_cache's slot_mapping)

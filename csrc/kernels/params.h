@@ -1,8 +1,7 @@
 // Plain-data parameters of the paged ops, as the kernels see them: raw pointers, element strides and
 // sizes. No torch and no CUDA types, so every compiler of the build can include it: nvcc (the GPU
-// kernels), the host compiler over the emulator (csrc/cuda_emu) and the torch bindings. The names
-// are the CPU backend's (csrc/cpu/attention.h: q_stride_token, k_stride_block, ...), and nothing
-// here is CUDA-specific, so the CPU code can take the same struct.
+// kernels), the host compiler over the emulator (csrc/cuda_emu), the cpu backend's kernels
+// (csrc/cpu) and the bindings. Every C++ backend takes these structs: one meaning per field.
 // Semantics of every field: paged_ops/reference.py (the specification).
 #pragma once
 #include <cstdint>
@@ -48,8 +47,11 @@ struct AttentionParams {
   const float* v_scale;
   int64_t k_scale_seq_stride, k_scale_head_stride, v_scale_seq_stride, v_scale_head_stride;
   DType dtype, cache_dtype;
+  // int64: the cpu backend takes any size a tensor can have (a stride-0 view of block_size 2^32 + 16);
+  // the CUDA binding rejects what does not fit the kernels' 32-bit indices (binding int_size), and
+  // the kernels narrow to int where they index.
   int64_t num_seqs, num_tokens;
-  int num_heads, num_kv_heads, head_size, block_size;
+  int64_t num_heads, num_kv_heads, head_size, block_size;
   // prefill: sizes the grid, never trusted for correctness (every row of every sequence is
   // computed whatever it says); clamped to num_tokens by the plan.
   int64_t max_seqlen_q;
