@@ -174,16 +174,13 @@ def kernel(backend: str, op: str) -> Callable:
 
 def tune(backend: str, op: str, args: tuple) -> None:
     """Let the backend pick its launch configuration for this shape before timing: the cuda
-    backend tunes attention only when asked (paged_ops.cuda_tuning.maybe_tune_*, persisted per
-    shape bucket); the triton backend tunes by itself on a shape's first call (the untimed
-    validation call)."""
+    backend tunes attention only when asked (paged_ops.tuning.tune_cuda_*, persisted per shape
+    bucket); the triton backend tunes by itself on a shape's first call (the untimed validation
+    call)."""
     if backend != "cuda" or op not in ("decode_attention", "prefill_attention"):
         return
-    try:
-        from paged_ops import cuda_tuning
-    except ImportError:
-        return
-    getattr(cuda_tuning, "maybe_tune_" + op.split("_")[0])(*args)
+    from paged_ops import tuning
+    getattr(tuning, "tune_cuda_" + op.split("_")[0])(*args, force=True)
 
 
 def validated_kernel(backend: str, op: str) -> Callable:

@@ -22,6 +22,13 @@ from .backends import _register
 
 _register()
 
+if torch.cuda.is_available():
+    # The CUDA kernels' tuned configs live in the extension, which reads no file: a process on a
+    # GPU starts with this build's stored ones (paged_ops.tuning; never raises on a bad file).
+    from . import tuning as _tuning
+
+    _tuning.load()
+
 
 def _check_mode(batch_invariant) -> None:
     # torch's argument parser turns any int into a bool before the op sees it (batch_invariant=2

@@ -1,30 +1,42 @@
-"""One launch tuner for the attention kernels of the ``triton`` and ``cuda`` backends.
+"""The one tuning store of the attention kernels of the ``triton`` and ``cuda`` backends.
 
-Both backends choose a launch configuration per *shape key*; this module times candidate
+Both backends choose a launch configuration per *shape key*. This module times candidate
 configurations of either backend, keeps the fastest per key in memory and persists it in one JSON
-file, ``$PAGED_OPS_CACHE_DIR/tuning.json`` (default ``~/.cache/paged_ops``).
+file, ``$PAGED_OPS_CACHE_DIR/tuning.json`` (default ``~/.cache/paged_ops``): the only file of
+tuning state, written and read here only.
 
-Every stored entry is keyed by backend, op, device name, a *code version* and the backend's
-shape key. The code version is the package version plus a hash of the kernel code that runs (the
-Triton sources for ``triton``; the built extension for ``cuda``), so a code change never reuses a
-configuration measured for other code. Shape keys hold the dtypes, the cache layout (NHD / HND),
-head counts, head size, block size and power-of-two length buckets.
+The file is ``{"format": 3, "entries": {identity: entry}}``, each entry
+``{"backend", "op", "version", "device", "key", "config", "ms"}``, filed under the identity
+``entry_identity`` makes of its own fields:
+
+- ``version``: the package version plus a hash of the kernel code that runs (the Triton sources
+  for ``triton``; the built extension for ``cuda``), so a code change never reuses a configuration
+  measured for other code.
+- ``key``: the backend's shape key. ``cuda``: the extension's own key, integers in the order of
+  csrc/cuda/tuning.h ``KeyField`` (op, SM count, dtypes, head size, group, KV heads, block size,
+  cache layout, log2 buckets of batch and length), computed by the extension
+  (``torch.ops.paged_cuda.tuning_key``): the key the kernels' call path looks up. It holds the SM
+  count, so a ``cuda`` entry is not per device name (``device`` only notes where it was measured).
+  ``triton``: the Triton module's ``tuning_key`` as strings, per device name.
+- ``config``: ``triton``: ``BLOCK_N``, ``num_warps``, ...; ``cuda``: kernels/params.h
+  ``LaunchConfig`` by its field names (``cuda_config_fields()``: threads, partition_size, kv_tile,
+  force_split, tensor_cores); every list of a config is in that order.
+
+The CUDA kernels read their configuration from the extension's table (csrc/cuda/tuning.h), which
+holds what this module pushed: ``load()`` installs this build's stored ``cuda`` entries (at
+``import paged_ops`` where a GPU is present), and the tuner installs each entry it chooses. The
+candidates it times are the extension's (csrc/cuda/tuning_candidates.h).
 
 The cache file is input from disk and is never trusted: a file that is not JSON, or JSON of the
-wrong shape, or an entry whose config is not a valid config of its backend and op (``{}``,
-``BLOCK_N: 0``, ``BLOCK_N: 3``) is ignored with one warning, and the shape is tuned again. Nothing
-here can make ``import paged_ops`` or an op call fail.
+wrong shape, or an entry whose key or config is not a valid one of its backend and op (``{}``,
+``BLOCK_N: 0``, ``threads: 33``) is ignored with one warning, and the shape is tuned again. Nothing
+here can make ``import paged_ops`` or an op call fail. Entries of a backend this build cannot check
+(``cuda`` without the CUDA backend) are kept in the file untouched and unused.
 
 GPU timing (``time_gpu_ms``) runs many launches between one pair of CUDA events, so host launch
 overhead is amortized instead of timed. Tests drive the same logic on CPU with a ``timer``
 argument (the interpreter / emulator run the candidates, a fake clock orders them); the
 measurement itself is GPU-only.
-
-The CUDA kernels read their configuration from the extension's registry
-(``torch.ops.paged_cuda.set_tuned_config`` / ``tuned_config``), keyed by the extension's own
-``tuning_key``; ``load()`` pushes the entries stored for this build into it, and the registry's
-flat ``cuda_tuning.tsv`` (read by the extension at its first lookup) is rewritten from the valid
-entries of this build only.
 """
 from __future__ import annotations
 
@@ -33,7 +45,6 @@ import hashlib
 import json
 import math
 import os
-import re
 import stat
 import tempfile
 import threading
@@ -44,8 +55,7 @@ from typing import Callable, Iterable
 import torch
 
 FILE_NAME = "tuning.json"
-FORMAT = 2  # version of the file layout; a file of another format is ignored
-TSV_NAME = "cuda_tuning.tsv"
+FORMAT = 3  # version of the file layout; a file of another format is ignored
 
 _lock = threading.Lock()
 _last: dict[tuple[str, str], dict] = {}
@@ -105,10 +115,6 @@ def cache_layout(key_cache: torch.Tensor) -> str:
     return "HND" if key_cache.dim() == 4 and key_cache.stride(2) > key_cache.stride(1) else "NHD"
 
 
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
-
-
 # ---- what a valid config is -----------------------------------------------------------------
 
 def _is_int(v) -> bool:
@@ -120,53 +126,107 @@ def _pow2_in(v, lo: int, hi: int) -> bool:
 
 
 _WARPS = (1, 2, 4, 8, 16)
-_SCHEMAS: dict[tuple[str, str], dict[str, Callable[[object], bool]]] = {
-    ("triton", "decode_attention"): {
+_TRITON_SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
+    "decode_attention": {
         "BLOCK_N": lambda v: _pow2_in(v, 16, 256),
         "num_warps": lambda v: v in _WARPS and _is_int(v),
         "num_stages": lambda v: _is_int(v) and 1 <= v <= 8,
         "split_scale": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
         and math.isfinite(v) and 0 < v <= 64,
     },
-    ("triton", "prefill_attention"): {
+    "prefill_attention": {
         "BLOCK_M": lambda v: _pow2_in(v, 16, 256),
         "BLOCK_N": lambda v: _pow2_in(v, 16, 256),
         "num_warps": lambda v: v in _WARPS and _is_int(v),
         "num_stages": lambda v: _is_int(v) and 1 <= v <= 8,
     },
 }
-# CUDA: kernels/params.h LaunchConfig; 0 = the kernels' own default for that field.
-_CUDA_SCHEMA = {
-    "threads": lambda v: _is_int(v) and (v == 0 or (32 <= v <= 1024 and v % 32 == 0)),
-    "partition": lambda v: _is_int(v) and (v in (-1, 0) or (16 <= v <= 1 << 20 and v % 16 == 0)),
-    "kv_tile": lambda v: _is_int(v) and (v == 0 or _pow2_in(v, 8, 256)),
-    "tc": lambda v: _is_int(v) and v in (-1, 0, 1),
-}
-for _op in ("decode_attention", "prefill_attention"):
-    _SCHEMAS[("cuda", _op)] = _SCHEMAS[("cuda_emu", _op)] = _CUDA_SCHEMA
+# The extension checks cuda keys and configs itself (csrc/cuda/tuning.h key_problem, config_problem);
+# cuda_emu: the same kernels on the emulator (tests of the tuner).
+_CUDA_BACKENDS = ("cuda", "cuda_emu")
+_TUNED_OPS = ("decode_attention", "prefill_attention")
+_INT32 = 1 << 31
+
+
+def _cuda_ops():
+    return torch.ops.paged_cuda
+
+
+def cuda_available() -> bool:
+    """The extension was built with the CUDA backend (its tuning ops exist)."""
+    try:
+        _cuda_ops().tuning_key  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+_config_fields: tuple[str, ...] = ()
+
+
+def cuda_config_fields() -> tuple[str, ...]:
+    """kernels/params.h ``LaunchConfig``'s field names in its order (the extension's list)."""
+    global _config_fields
+    if not _config_fields:
+        _config_fields = tuple(_cuda_ops().launch_config_fields())
+    return _config_fields
+
+
+def _fields_problem(config, names: Iterable[str], optional: Iterable[str] = ()) -> str | None:
+    if not isinstance(config, dict):
+        return f"config is {type(config).__name__}, not an object"
+    missing = set(names) - set(optional) - set(config)
+    if missing:
+        return f"missing {sorted(missing)}"
+    unknown = set(config) - set(names)
+    if unknown:
+        return f"unknown fields {sorted(unknown)}"
+    return None
 
 
 def config_problem(backend: str, op: str, config) -> str | None:
     """Why ``config`` is not a valid launch config of this backend and op (None: it is)."""
-    schema = _SCHEMAS.get((backend, op))
-    if schema is None:
+    if op not in _TUNED_OPS or backend not in ("triton", *_CUDA_BACKENDS):
         return f"no tuner for {backend}.{op}"
-    if not isinstance(config, dict):
-        return f"config is {type(config).__name__}, not an object"
-    required = set(schema) - ({"split_scale"} if backend == "triton" else set())
-    missing = required - set(config)
-    if missing:
-        return f"missing {sorted(missing)}"
-    unknown = set(config) - set(schema)
-    if unknown:
-        return f"unknown fields {sorted(unknown)}"
-    for name, ok in schema.items():
-        if name in config and not ok(config[name]):
-            return f"{name}={config[name]!r} is out of range"
-    return None
+    if backend == "triton":
+        schema = _TRITON_SCHEMAS[op]
+        problem = _fields_problem(config, schema, optional=("split_scale",))
+        if problem:
+            return problem
+        for name, ok in schema.items():
+            if name in config and not ok(config[name]):
+                return f"{name}={config[name]!r} is out of range"
+        return None
+    if not cuda_available():
+        return "this build has no CUDA backend to check it"
+    fields = cuda_config_fields()
+    problem = _fields_problem(config, fields)
+    if problem:
+        return problem
+    for name in fields:
+        if not (_is_int(config[name]) and -_INT32 <= config[name] < _INT32):
+            return f"{name}={config[name]!r} is not a 32-bit integer"
+    problem = _cuda_ops().launch_config_problem(_config_list(config))
+    return f"{problem}: " + ", ".join(f"{k}={config[k]}" for k in fields) if problem else None
+
+
+def _config_list(config: dict) -> list[int]:
+    return [config[name] for name in cuda_config_fields()]
 
 
 # ---- the file -------------------------------------------------------------------------------
+
+def _stored_key(backend: str, key: Iterable) -> list:
+    """A shape key as the file holds it: the extension's integers (cuda), else strings."""
+    return [int(k) for k in key] if backend in _CUDA_BACKENDS else [str(k) for k in key]
+
+
+def entry_identity(backend: str, op: str, version: str, device: str, key: Iterable) -> str:
+    """What an entry is filed under: its backend, op, code version, device name (not for cuda,
+    whose key holds the SM count) and shape key."""
+    per_device = [] if backend in _CUDA_BACKENDS else [device]
+    return json.dumps([backend, op, version, *per_device, *_stored_key(backend, key)])
+
 
 MAX_FILE_BYTES = 64 << 20  # a tuning file is a few kB; anything near this is not one
 
@@ -214,27 +274,32 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _read_entries(path: Path) -> dict[str, dict]:
-    """Valid entries of the cache file; anything malformed is dropped with one warning per file.
+def _read_file(path: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """(valid entries, entries this build cannot check) of the cache file; anything malformed is
+    dropped with one warning per file.
 
     Never raises: not a regular file, not UTF-8, not JSON, nested too deeply for the parser, of
     the wrong shape, or entries that are not valid for their backend all read as "nothing stored".
     """
     text = _read_text(path)
     if text is None:
-        return {}
+        return {}, {}
     try:
         data = json.loads(text)
     except (ValueError, RecursionError, MemoryError):  # RecursionError: "[[[[..." nested deeper than the parser goes
         _warn_once(f"paged_ops tuning cache {path} is not JSON (or nested too deeply); ignored, shapes are "
                    "tuned again")
-        return {}
+        return {}, {}
     if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
         _warn_once(f"paged_ops tuning cache {path} is not a format-{FORMAT} tuning file; ignored, "
                    "shapes are tuned again")
-        return {}
-    entries, bad = {}, []
+        return {}, {}
+    entries, foreign, bad = {}, {}, []
+    cuda = cuda_available()
     for key, entry in data["entries"].items():
+        if isinstance(entry, dict) and entry.get("backend") in _CUDA_BACKENDS and not cuda:
+            foreign[key] = entry  # another build's (a home directory shared with a GPU machine)
+            continue
         problem = _entry_problem(key, entry)
         if problem:
             bad.append((key, problem))
@@ -245,34 +310,44 @@ def _read_entries(path: Path) -> dict[str, dict]:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
         _warn_once(f"paged_ops tuning cache {path}: entry {_short(key)} ignored ({problem}){more}; "
                    "tuned again")
-    return entries
+    return entries, foreign
 
 
-# A key the CUDA registry stores: one whitespace-free token of printable ASCII (cuda_tuning.tsv is
-# "key threads partition kv_tile tc" lines; csrc/cuda/tuning.h reads it).
-_REGISTRY_KEY = re.compile(r"[!-~]{1,512}")
+def _read_entries(path: Path) -> dict[str, dict]:
+    """The valid entries of the cache file (see ``_read_file``)."""
+    return _read_file(path)[0]
 
 
-def _entry_problem(key, entry) -> str | None:
+def _entry_problem(identity, entry) -> str | None:
     if not isinstance(entry, dict):
         return "not an object"
-    backend, op = entry.get("backend"), entry.get("op")
-    if not isinstance(backend, str) or not isinstance(op, str):
-        return "no backend/op"
-    shape = entry.get("key")
-    if not (isinstance(shape, list) and all(isinstance(k, str) for k in shape)):
+    backend, op, version, device = (entry.get(k) for k in ("backend", "op", "version", "device"))
+    if not all(isinstance(v, str) for v in (backend, op, version, device)):
+        return "no backend/op/version/device"
+    key = entry.get("key")
+    if backend in _CUDA_BACKENDS:
+        if not (isinstance(key, list) and all(_is_int(k) and 0 <= k < _INT32 for k in key)):
+            return f"its shape key {_short(str(key))} is not a list of the extension's integers"
+        if op in _TUNED_OPS:
+            problem = _cuda_ops().tuning_key_problem(key, op)
+            if problem:
+                return f"its shape key {_short(str(key))}: {problem}"
+    elif not (isinstance(key, list) and all(isinstance(k, str) for k in key)):
         return "its shape key is not a list of strings"
-    if backend in ("cuda", "cuda_emu") and not (shape and _REGISTRY_KEY.fullmatch(shape[0])):
-        return f"its registry key {_short(shape[0]) if shape else '(none)'} is not one printable token"
-    return config_problem(backend, op, entry.get("config"))
+    problem = config_problem(backend, op, entry.get("config"))
+    if problem:
+        return problem
+    if identity != entry_identity(backend, op, version, device, key):
+        return "filed under another identity than its fields'"
+    return None
 
 
 def _write_entry(path: Path, key: str, entry: dict) -> None:
     # Merge with what other processes wrote since, then replace atomically (readers never see
     # half a file).
     path.parent.mkdir(parents=True, exist_ok=True)
-    entries = _read_entries(path)
-    entries[key] = entry
+    entries, foreign = _read_file(path)
+    entries = {**foreign, **entries, key: entry}
     _replace(path, json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True), ".json")
 
 
@@ -332,7 +407,8 @@ class Tuner:
         self._persisted: dict[str, dict] = {}
 
     def entry_key(self, device: str, key: Iterable) -> str:
-        return "|".join([self.backend, self.op, device, code_version(self.backend), *map(str, key)])
+        """The identity of this op's entry for ``key`` on ``device`` (see ``entry_identity``)."""
+        return entry_identity(self.backend, self.op, code_version(self.backend), device, key)
 
     def _entries(self) -> dict[str, dict]:
         path = cache_path()
@@ -344,9 +420,7 @@ class Tuner:
 
     def _stored(self, entry: str) -> dict | None:
         found = self._entries().get(entry)
-        if found is None or found.get("backend") != self.backend or found.get("op") != self.op:
-            return None
-        return dict(found["config"])
+        return None if found is None else dict(found["config"])
 
     def lookup(self, device: str, key: Iterable) -> dict | None:
         """The stored config for a key, without timing anything (None if never tuned)."""
@@ -373,8 +447,9 @@ class Tuner:
             if bench is not None and candidates and (force or tuning_enabled()):
                 config, ms = fastest(candidates, bench, default)
                 source = "tuned"
-                record = {"backend": self.backend, "op": self.op, "device": device, "key": list(map(str, key)),
-                          "config": config, "ms": None if ms is None else round(ms, 6)}
+                record = {"backend": self.backend, "op": self.op, "version": code_version(self.backend),
+                          "device": device, "key": _stored_key(self.backend, key), "config": config,
+                          "ms": None if ms is None else round(ms, 6)}
                 with _lock:
                     self._entries()[entry] = record
                     try:
@@ -424,41 +499,23 @@ def last_config(backend: str, op: str) -> dict | None:
 
 # ---- the cuda backend -----------------------------------------------------------------------
 
-# threads per block x split-KV partition size (tokens); partition -1 = one-pass kernel only.
-CUDA_DECODE_CANDIDATES = [dict(threads=t, partition=p, kv_tile=0, tc=0)
-                          for t in (64, 128, 256) for p in (256, 512, 1024, -1)]
-# KV tokens per shared-memory staging step of the decode kernel for query groups > 8.
-CUDA_DECODE_SHARED_KV_TILES = (32, 64)
-# The tensor-core kernel (fixed 128 threads; fp16/bf16 only), then the CUDA-core kernel's threads
-# per block x KV tokens per shared-memory tile.
-CUDA_PREFILL_CANDIDATES = [dict(threads=0, partition=0, kv_tile=0, tc=1)] + [
-    dict(threads=t, partition=0, kv_tile=k, tc=-1) for t in (64, 128, 256) for k in (16, 32, 64)]
-CUDA_DEFAULT = dict(threads=0, partition=0, kv_tile=0, tc=0)
-
-
-def _cuda_ops():
-    return torch.ops.paged_cuda
-
-
-def cuda_available() -> bool:
-    """The extension was built with the CUDA backend (its registry ops exist)."""
-    try:
-        _cuda_ops().tuning_key  # noqa: B018
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def cuda_registry_key(query, key_cache, block_tables, max_seqlen_q: int | None) -> str:
-    """The key the CUDA kernels look their config up by (computed by the extension itself)."""
+def cuda_key(query, key_cache, block_tables, max_seqlen_q: int | None = None) -> tuple[int, ...]:
+    """The extension's key of a decode (``max_seqlen_q`` None) or prefill call with these tensors:
+    the key the kernels look their config up by."""
     decode = max_seqlen_q is None
-    return _cuda_ops().tuning_key(query, key_cache, block_tables, 0 if decode else int(max_seqlen_q), decode)
+    return tuple(_cuda_ops().tuning_key(query, key_cache, block_tables, 0 if decode else int(max_seqlen_q), decode))
 
 
-def cuda_shape_key(query, key_cache, block_tables, max_seqlen_q: int | None) -> tuple:
-    """The registry key plus what it leaves out: head counts and the cache layout."""
-    return (cuda_registry_key(query, key_cache, block_tables, max_seqlen_q), f"h{query.shape[1]}",
-            f"kvh{key_cache.shape[2]}", cache_layout(key_cache))
+def cuda_default() -> dict:
+    """The kernels' own defaults (every field 0)."""
+    return dict.fromkeys(cuda_config_fields(), 0)
+
+
+def cuda_candidates(key: Iterable[int]) -> list[dict]:
+    """The configs the tuner times for this key (csrc/cuda/tuning_candidates.h)."""
+    fields = cuda_config_fields()
+    flat = _cuda_ops().tuning_candidates(list(key))
+    return [dict(zip(fields, flat[i:i + len(fields)])) for i in range(0, len(flat), len(fields))]
 
 
 def device_name(device: torch.device) -> str:
@@ -467,102 +524,68 @@ def device_name(device: torch.device) -> str:
     return device.type  # cpu: the emulator / interpreter (tests)
 
 
-def _config_list(cfg: dict) -> list[int]:
-    # paged_cuda_test.*_config: [threads, partition_size, kv_tile, force_split, tensor_cores]
-    return [cfg["threads"], cfg["partition"], cfg["kv_tile"], 0, cfg["tc"]]
-
-
-def _set_registry(registry_key: str, cfg: dict) -> None:
-    _cuda_ops().set_tuned_config(registry_key, cfg["threads"], cfg["partition"], cfg["kv_tile"], cfg["tc"])
-
-
-def _cuda_tune(op: str, query, key_cache, block_tables, max_seqlen_q, candidates, run_with,
-               backend: str, timer, reps: int, force: bool) -> dict:
-    tn = tuner(backend, op)
-    device = device_name(query.device)
-    key = cuda_shape_key(query, key_cache, block_tables, max_seqlen_q)
+def _cuda_tune(op: str, query, key_cache, block_tables, max_seqlen_q, run_with, backend: str, timer, reps: int,
+               force: bool) -> dict:
+    key = cuda_key(query, key_cache, block_tables, max_seqlen_q)
     measure = timer or (lambda fn: time_gpu_ms(fn, iters=reps))
     bench = lambda cfg: measure(lambda: run_with(_config_list(cfg)))  # noqa: E731
-    cfg = tn.choose(device, key, CUDA_DEFAULT, candidates, bench, force=force or timer is not None)
-    if backend == "cuda":
-        _set_registry(key[0], cfg)
-        _sync_tsv()
+    cfg = tuner(backend, op).choose(device_name(query.device), key, cuda_default(), cuda_candidates(key), bench,
+                                    force=force or timer is not None)
+    if backend == "cuda" and _last[(backend, op)]["source"] != "default":
+        _cuda_ops().set_tuned_configs(list(key), _config_list(cfg))
     return cfg
 
 
 def tune_cuda_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale=None,
                      v_scale=None, *, backend: str = "cuda", timer=None, reps: int = 20, force: bool = False) -> dict:
-    """Choose the decode launch config for this shape (timing candidates unless stored) and install it.
+    """Choose the decode launch config for this shape (timing the candidates unless stored) and
+    install it; ``out`` is overwritten. Times only where ``tuning_enabled()``, or with ``force``.
 
-    ``out`` is overwritten. ``backend="cuda_emu"`` runs the candidates on the emulator (tests; a
-    ``timer(fn) -> ms`` must then order them).
+    ``backend="cuda_emu"`` runs the candidates on the emulator (tests; a ``timer(fn) -> ms`` must
+    then order them).
     """
     ns = getattr(torch.ops, "paged_cuda_test" if backend == "cuda" else "paged_cuda_emu_test")
     run_with = lambda c: ns.decode_attention_config(out, query, key_cache, value_cache, block_tables,  # noqa: E731
                                                     seq_lens, scale, k_scale, v_scale, c)
-    candidates = CUDA_DECODE_CANDIDATES
-    if query.size(1) // key_cache.size(2) > 8:
-        # Groups > 8 run the shared-KV kernel, whose staging chunk trades shared memory (blocks
-        # per SM) against barriers per token.
-        candidates = [dict(c, kv_tile=k) for c in candidates for k in CUDA_DECODE_SHARED_KV_TILES]
-    return _cuda_tune("decode_attention", query, key_cache, block_tables, None, candidates, run_with,
-                      backend, timer, reps, force)
+    return _cuda_tune("decode_attention", query, key_cache, block_tables, None, run_with, backend, timer, reps, force)
 
 
 def tune_cuda_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, max_seqlen_q,
                       scale, causal, k_scale=None, v_scale=None, *, backend: str = "cuda", timer=None,
                       reps: int = 10, force: bool = False) -> dict:
-    """Choose the prefill launch config for this shape (timing candidates unless stored) and install it."""
+    """Choose the prefill launch config for this shape (timing the candidates unless stored) and install it."""
     ns = getattr(torch.ops, "paged_cuda_test" if backend == "cuda" else "paged_cuda_emu_test")
     run_with = lambda c: ns.prefill_attention_config(out, query, key_cache, value_cache, block_tables,  # noqa: E731
                                                      cu_seqlens_q, seq_lens, max_seqlen_q, scale, causal,
                                                      k_scale, v_scale, c)
-    return _cuda_tune("prefill_attention", query, key_cache, block_tables, max_seqlen_q, CUDA_PREFILL_CANDIDATES,
-                      run_with, backend, timer, reps, force)
-
-
-def _sync_tsv() -> None:
-    """Rewrite the registry's flat file from this build's valid entries only (stale and invalid
-    entries never reach the extension's loader)."""
-    path = cache_dir() / TSV_NAME
-    version = code_version("cuda")
-    lines = []
-    for k, entry in sorted(_read_entries(cache_path()).items()):
-        if entry["backend"] != "cuda" or f"|{version}|" not in k:
-            continue
-        c = entry["config"]
-        lines.append(f"{entry['key'][0]} {c['threads']} {c['partition']} {c['kv_tile']} {c['tc']}")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _replace(path, "".join(line + "\n" for line in lines), ".tsv")
-    except OSError as e:
-        _warn_once(f"paged_ops: cannot write {path} ({e})")
+    return _cuda_tune("prefill_attention", query, key_cache, block_tables, max_seqlen_q, run_with, backend, timer,
+                      reps, force)
 
 
 def load() -> int:
-    """Install this build's stored CUDA configs into the extension's registry; returns how many.
+    """Make the extension's table hold exactly this build's stored ``cuda`` entries; returns how many.
 
-    Never raises on a bad cache file (it is ignored with a warning).
+    Called at ``import paged_ops`` where a GPU is present (a new process uses earlier tuning
+    without the tuner), and again by whoever moves ``PAGED_OPS_CACHE_DIR``. Never raises on a bad
+    cache file (it is ignored with a warning).
     """
     if not cuda_available():
         return 0
-    version = code_version("cuda")
-    n = 0
-    for k, entry in _read_entries(cache_path()).items():
-        # _read_entries checked the entry: key[0] is one printable token, the config is valid.
-        if entry["backend"] == "cuda" and f"|{version}|" in k:
-            try:
-                _set_registry(entry["key"][0], entry["config"])
-            except (RuntimeError, ValueError, TypeError) as e:
-                _warn_once(f"paged_ops tuning cache {cache_path()}: entry {_short(k)} not installed ({e})")
-                continue
-            n += 1
-    _sync_tsv()
-    return n
+    entries = [e for e in _read_entries(cache_path()).values() if e["backend"] == "cuda"]
+    try:
+        if entries:  # hashing the extension costs a read of it: only when there is something to match
+            version = code_version("cuda")
+            entries = [e for e in entries if e["version"] == version]
+        keys = [k for e in entries for k in e["key"]]
+        configs = [v for e in entries for v in _config_list(e["config"])]
+        _cuda_ops().set_tuned_configs(keys, configs, True)
+    except (OSError, RuntimeError, ValueError) as e:  # the entries were checked: only an unreadable build
+        _warn_once(f"paged_ops tuning cache {cache_path()}: not installed ({e})")
+        return 0
+    return len(entries)
 
 
 def cuda_tuned_config(query, key_cache, block_tables, max_seqlen_q: int | None = None) -> dict | None:
-    """What the CUDA kernels will use for this shape: the registry's config, or None (defaults)."""
-    threads, partition, kv_tile, tc, tuned = _cuda_ops().tuned_config(
-        cuda_registry_key(query, key_cache, block_tables, max_seqlen_q))
-    return dict(threads=threads, partition=partition, kv_tile=kv_tile, tc=tc) if tuned else None
+    """What the CUDA kernels will use for this shape: the table's config, or None (defaults)."""
+    *config, tuned = _cuda_ops().tuned_config(list(cuda_key(query, key_cache, block_tables, max_seqlen_q)))
+    return dict(zip(cuda_config_fields(), config)) if tuned else None

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
 
 import paged_ops
-from paged_ops import reference
+from paged_ops import reference, tuning
 from paged_ops.testing import FP8_DTYPES as FP8
 from paged_ops.testing import assert_close, make_case, nan_like
 
@@ -33,17 +34,16 @@ def to_device(case, device):
     return case.to(device)  # paged_ops.testing.PagedCase.to
 
 
-CONFIG_FIELDS = ("threads", "partition", "kv_tile", "force_split", "tc")  # kernels/params.h LaunchConfig
-
-
 class configured:
-    """The GPU attention kernels launched with an explicit configuration, e.g. "force_split=1,partition=64"
-    (torch.ops.paged_cuda_test.*_config: test-only, no validation); "" = the kernels' defaults."""
+    """The GPU attention kernels launched with an explicit configuration, e.g.
+    "force_split=1,partition_size=64" (kernels/params.h LaunchConfig's fields;
+    torch.ops.paged_cuda_test.*_config: test-only, no validation); "" = the kernels' defaults."""
 
     def __init__(self, spec: str):
+        fields = tuning.cuda_config_fields()
         kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(",") if kv)}
-        assert set(kw) <= set(CONFIG_FIELDS), f"unknown launch config keys {set(kw) - set(CONFIG_FIELDS)}"
-        self.config = [kw.get(k, 0) for k in CONFIG_FIELDS]
+        assert set(kw) <= set(fields), f"unknown launch config keys {set(kw) - set(fields)}"
+        self.config = [kw.get(k, 0) for k in fields]
 
     def decode_attention(self, *args, **variants):
         torch.ops.paged_cuda_test.decode_attention_config(*args, self.config, **variants)
@@ -67,7 +67,7 @@ def check_prefill(case, causal=True, ops=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", ""])
+@pytest.mark.parametrize("split", ["force_split=1,partition_size=64", "partition_size=-1", ""])
 @pytest.mark.parametrize("cache_dtype,scale_kind", [(None, "tensor")] + list(itertools.product(FP8, ("tensor", "head"))))
 def test_decode_paths_fp8(device, split, cache_dtype, scale_kind):
     case = make_case([1, 63, 64, 65, 2000], num_heads=14, num_kv_heads=2, head_size=128, block_size=16,
@@ -76,7 +76,7 @@ def test_decode_paths_fp8(device, split, cache_dtype, scale_kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", "threads=256,kv_tile=32", ""])
+@pytest.mark.parametrize("split", ["force_split=1,partition_size=64", "partition_size=-1", "threads=256,kv_tile=32", ""])
 @pytest.mark.parametrize("group,head_size,dtype,cache_dtype", [
     (16, 128, torch.bfloat16, None), (32, 64, torch.float16, torch.float8_e4m3fn), (64, 256, torch.float32, None),
     (80, 128, torch.bfloat16, torch.float8_e5m2)])
@@ -94,7 +94,7 @@ PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2],
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("path", ["tc=1", "tc=-1"])
+@pytest.mark.parametrize("path", ["tensor_cores=1", "tensor_cores=-1"])
 @pytest.mark.parametrize("block_size,group,dtype,head_size,layout,causal", PREFILL_GRID)
 def test_prefill(device, path, block_size, group, dtype, head_size, layout, causal):
     # Both kernels on the same cases: tensor cores (fp16/bf16; fp32 falls back) and CUDA cores.
@@ -111,7 +111,7 @@ def test_prefill_tc_matches_cuda_cores(device):
     case = to_device(make_case([700, 300], q_lens=[500, 300], num_heads=32, num_kv_heads=8, head_size=128,
                                block_size=16, dtype=torch.float16, seed=8), device)
     outs = []
-    for path in ("tc=1", "tc=-1"):
+    for path in ("tensor_cores=1", "tensor_cores=-1"):
         out = nan_like(case.query)
         configured(path).prefill_attention(*case.prefill_args(out))
         outs.append(out.double())
@@ -120,19 +120,27 @@ def test_prefill_tc_matches_cuda_cores(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_tuner_records_and_uses_config(device, tmp_path, monkeypatch):
-    from paged_ops import cuda_tuning
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
     case = to_device(make_case([300, 700], num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                                dtype=torch.float16, seed=5), device)
     out = nan_like(case.query)
-    cfg = cuda_tuning.tune_decode(*case.decode_args(out), reps=3)
-    assert cuda_tuning.tuned_config_for_decode(case.query, case.key_cache, case.block_tables) == cfg
-    assert (tmp_path / "tuning.json").exists()
+    cfg = tuning.tune_cuda_decode(*case.decode_args(out), reps=3, force=True)
+    assert tuning.last_config("cuda", "decode_attention")["source"] == "tuned"
+    assert tuning.cuda_tuned_config(case.query, case.key_cache, case.block_tables) == cfg
+    (entry,) = json.loads((tmp_path / "tuning.json").read_text())["entries"].values()
+    assert entry["config"] == cfg and entry["key"][1] == torch.cuda.get_device_properties(device).multi_processor_count
     check_decode(case)  # the tuned configuration is the one in use now
-    pcfg = cuda_tuning.tune_prefill(*case.prefill_args(nan_like(case.query)), reps=3)
-    assert cuda_tuning.tuned_config_for_prefill(case.query, case.key_cache, case.block_tables,
-                                                case.max_seqlen_q) == pcfg
+    pcfg = tuning.tune_cuda_prefill(*case.prefill_args(nan_like(case.query)), reps=3, force=True)
+    assert tuning.cuda_tuned_config(case.query, case.key_cache, case.block_tables, case.max_seqlen_q) == pcfg
     check_prefill(case)
+    # what the next process starts with: the store, pushed into the extension's table
+    torch.ops.paged_cuda.set_tuned_configs([], [], True)
+    assert tuning.cuda_tuned_config(case.query, case.key_cache, case.block_tables) is None
+    assert tuning.load() == 2
+    assert tuning.cuda_tuned_config(case.query, case.key_cache, case.block_tables) == cfg
+    check_decode(case)
+    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "empty"))
+    assert tuning.load() == 0  # later tests run on the defaults
 
 
 # ---- the attention variants, merge_attention_states and the batch-invariant mode (issue #13) -------
@@ -163,7 +171,7 @@ def decode_reference(case, **kw):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("split", ["force_split=1,partition=64", "partition=-1", ""])
+@pytest.mark.parametrize("split", ["force_split=1,partition_size=64", "partition_size=-1", ""])
 @pytest.mark.parametrize("group,variant", [
     (4, dict(softcap=2.0)), (4, dict(window_left=100)), (2, dict(sinks=True)), (16, dict(alibi=True)),
     (7, dict(softcap=3.0, window_left=300, sinks=True, alibi=True)),
@@ -215,7 +223,7 @@ def test_batch_invariant(device, group):
     gpu().prefill_attention(*case.prefill_args(out), **kw, lse=lse, batch_invariant=True)
     torch.cuda.synchronize()
     assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
-    for pick, split in (([4], ""), ([9, 4, 0], "force_split=1,partition=64"), ([4, 1], "partition=-1,threads=256")):
+    for pick, split in (([4], ""), ([9, 4, 0], "force_split=1,partition_size=64"), ([4, 1], "partition_size=-1,threads=256")):
         idx = torch.tensor(pick, device=device)
         sub = dataclasses.replace(dec, query=dec.query[idx].contiguous(), block_tables=dec.block_tables[idx].contiguous(),
                                   seq_lens=dec.seq_lens[idx].contiguous(),

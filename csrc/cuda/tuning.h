@@ -1,78 +1,139 @@
-// Launch tuning registry of the GPU backend. A shape key (op, dtypes, head size, group, block size,
-// power-of-two buckets of batch and context) maps to the LaunchConfig the tuner measured fastest.
-// The tuner itself is Python (paged_ops/tuning.py): it times candidates through the test
-// namespace's explicit-config ops (paged_cuda_test::decode_attention_config /
-// prefill_attention_config), records the winner here with paged_cuda::set_tuned_config and persists it in
-// $PAGED_OPS_CACHE_DIR (default ~/.cache/paged_ops): tuning.json for people and cuda_tuning.tsv for
-// this loader (one "key threads partition kv_tile tc" line per shape). The registry reads the .tsv
-// on its first lookup, so a new process uses earlier tuning without importing the tuner.
-// An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
+// Tuned launch configurations of the GPU backend: the extension's half of the one tuning store.
 //
-// The .tsv is input from disk and never trusted, like tuning.json on the Python side: only a
-// regular file (a FIFO in its place must not block the first call) of sane size is read, and a
-// line is used only when it is exactly one printable key and four integers that are a valid
-// config (paged_ops/tuning.py _CUDA_SCHEMA); any other line is skipped, and that shape runs on
-// the defaults until it is tuned again.
+// paged_ops/tuning.py owns the store: it times the candidates (tuning_candidates.h) through the
+// test namespace's explicit-config ops, persists the fastest in $PAGED_OPS_CACHE_DIR/tuning.json
+// and pushes the stored entries of this build into the table below (set_tuned_configs), once per
+// process. This file reads no file: everything in the table came through those ops, validated.
+//
+// The key is the Key array below, the same for both halves: Python gets it from the tuning_key op,
+// the kernels' call path builds it from AttentionParams, both through make_key. The table is an
+// immutable open-addressing hash table behind an atomic pointer: a call loads the pointer and
+// probes, with no string, no lock and no allocation; an install copies the table, adds to the copy
+// and publishes it (copy-on-write). Installs are rare (once per tuned shape) and published tables
+// are never freed, since a call on another thread may still be reading the one it loaded.
+//
+// An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
 #pragma once
 #include <ATen/ATen.h>
-#include <torch/library.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime_api.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <torch/library.h>
 
-#include <cerrno>
+#include <array>
+#include <atomic>
 #include <cstdint>
-#include <cstdlib>
+#include <iterator>
 #include <mutex>
-#include <sstream>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "cuda/binding.h"
+#include "cuda/tuning_candidates.h"
 #include "kernels/params.h"
 
 namespace paged_cuda {
 namespace tuning {
 
-inline int64_t pow2_bucket(int64_t n) {
-  int64_t b = 1;
-  while (b < n) b <<= 1;
-  return b;
-}
+// ---- the key ----------------------------------------------------------------------------------
 
-inline std::string shape_key(int dtype, int cache_dtype, int head_size, int group, int num_kv_heads, int block_size,
-                             int64_t num_seqs, int64_t len, bool decode, int num_sms) {
-  // len: decode = the block table's capacity in tokens, prefill = max_seqlen_q. num_sms: a choice
-  // made on one GPU model is not reused on another.
-  return std::string(decode ? "decode" : "prefill") + "|sm" + std::to_string(num_sms) + "|dt" + std::to_string(dtype) + "|kv" +
-         std::to_string(cache_dtype) + "|d" + std::to_string(head_size) + "|g" + std::to_string(group) + "|h" +
-         std::to_string(num_kv_heads) + "|bs" + std::to_string(block_size) + "|n" +
-         std::to_string(pow2_bucket(num_seqs)) + "|l" + std::to_string(pow2_bucket(len));
-}
-
-inline std::string shape_key(const paged::AttentionParams& p, bool decode) {
-  const int64_t len = decode ? p.max_blocks_per_seq * p.block_size : p.max_seqlen_q;
-  return shape_key(int(p.dtype), int(p.cache_dtype), p.head_size, p.num_heads / p.num_kv_heads, p.num_kv_heads,
-                   p.block_size, p.num_seqs, len, decode, p.num_sms);
-}
-
-struct Registry {
-  std::mutex mu;
-  std::unordered_map<std::string, paged::LaunchConfig> configs;
+// The fields of a key, in their order. Lengths are bucketed (ceil log2): a choice made for one
+// length serves the lengths near it. num_sms: a choice made on one GPU model is not reused on one
+// with another SM count.
+enum KeyField : int {
+  kOp,          // 0 decode_attention, 1 prefill_attention (kOpNames)
+  kNumSms,      // of the device (0 for CPU tensors: the emulator, tests)
+  kDType,       // paged::DType of the query
+  kCacheDType,  // ... and of the caches
+  kHeadSize,
+  kGroup,       // query heads per KV head
+  kNumKvHeads,
+  kBlockSize,
+  kLayout,      // 0 NHD (token-major cache), 1 HND (head-major)
+  kSeqsLog2,    // ceil(log2(num_seqs))
+  kLenLog2,     // ceil(log2(len)); decode: the block table's capacity in tokens, prefill: max_seqlen_q
+  kKeyFields
 };
+using Key = std::array<int32_t, kKeyFields>;
+constexpr const char* kOpNames[] = {"decode_attention", "prefill_attention"};
 
-inline std::string cache_file() {
-  if (const char* d = std::getenv("PAGED_OPS_CACHE_DIR")) return std::string(d) + "/cuda_tuning.tsv";
-  const char* home = std::getenv("HOME");
-  return std::string(home ? home : ".") + "/.cache/paged_ops/cuda_tuning.tsv";
+inline int32_t ceil_log2(int64_t n) { return n <= 1 ? 0 : 64 - __builtin_clzll(uint64_t(n - 1)); }
+
+// Sizes as the CUDA binding checked them (each fits an int, num_kv_heads >= 1).
+inline Key make_key(bool decode, int num_sms, paged::DType dtype, paged::DType cache_dtype, int64_t head_size,
+                    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, bool head_major, int64_t num_seqs,
+                    int64_t len) {
+  return Key{decode ? 0 : 1,
+             num_sms,
+             int32_t(dtype),
+             int32_t(cache_dtype),
+             int32_t(head_size),
+             int32_t(num_heads / num_kv_heads),
+             int32_t(num_kv_heads),
+             int32_t(block_size),
+             head_major ? 1 : 0,
+             ceil_log2(num_seqs),
+             ceil_log2(len)};
 }
 
-// Whether the four numbers are a config the kernels accept (0 = the kernels' default for a field).
-// Mirrors paged_ops/tuning.py _CUDA_SCHEMA.
-inline const char* config_problem(int64_t threads, int64_t partition_size, int64_t kv_tile, int64_t tensor_cores) {
+// What the kernels' call path looks up.
+inline Key key_of(const paged::AttentionParams& p, bool decode) {
+  // The table's capacity in tokens, saturated: a bucket past 2^62 is the same bucket.
+  const int64_t capacity = p.max_blocks_per_seq > (int64_t(1) << 62) / p.block_size
+                               ? int64_t(1) << 62
+                               : p.max_blocks_per_seq * p.block_size;
+  return make_key(decode, p.num_sms, p.dtype, p.cache_dtype, p.head_size, p.num_heads, p.num_kv_heads, p.block_size,
+                  p.k_stride_head > p.k_stride_token, p.num_seqs, decode ? capacity : p.max_seqlen_q);
+}
+
+inline uint64_t hash_key(const Key& k) {
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  for (int32_t v : k) {
+    h = (h ^ uint32_t(v)) * 0xFF51AFD7ED558CCDull;
+    h ^= h >> 29;
+  }
+  return h;
+}
+
+// ---- what a valid key and config are -----------------------------------------------------------
+
+// Why `key` (from Python) is not a key of op `op` (nullptr: either op), or nullptr if it is one.
+inline const char* key_problem(at::IntArrayRef key, const char* op) {
+  if (key.size() != size_t(kKeyFields)) return "a key has 11 fields (csrc/cuda/tuning.h KeyField)";
+  for (int64_t v : key)
+    if (v < 0 || v > INT32_MAX) return "a key's fields are in [0, 2^31)";
+  if (key[kOp] > 1) return "op must be 0 (decode_attention) or 1 (prefill_attention)";
+  if (op != nullptr && std::string(op) != kOpNames[key[kOp]]) return "the key is another op's";
+  if (key[kDType] > 4 || key[kCacheDType] > 4) return "dtype codes are 0..4 (kernels/params.h DType)";
+  if (key[kHeadSize] < 1 || key[kGroup] < 1 || key[kNumKvHeads] < 1 || key[kBlockSize] < 1)
+    return "head_size, group, num_kv_heads and block_size are at least 1";
+  if (key[kLayout] > 1) return "layout must be 0 (NHD) or 1 (HND)";
+  if (key[kSeqsLog2] > 63 || key[kLenLog2] > 63) return "the length buckets are log2s in [0, 63]";
+  return nullptr;
+}
+
+inline Key key_from_list(at::IntArrayRef key, const char* what) {
+  const char* problem = key_problem(key, nullptr);
+  TORCH_CHECK_VALUE(problem == nullptr, what, ": ", problem ? problem : "", " (got ", key, ")");
+  Key k;
+  for (int i = 0; i < kKeyFields; ++i) k[i] = int32_t(key[i]);
+  return k;
+}
+
+// The fields of paged::LaunchConfig, in its order: the tuner's config dicts use these names and
+// every list of a config (the test namespace's *_config ops, binding.h config_from_list) this order.
+constexpr const char* kConfigFields[] = {"threads", "partition_size", "kv_tile", "force_split", "tensor_cores"};
+constexpr int kConfigSize = 5;
+
+inline std::vector<int64_t> config_list(const paged::LaunchConfig& c) {
+  return {c.threads, c.partition_size, c.kv_tile, c.force_split, c.tensor_cores};
+}
+
+// Whether a config is one the kernels accept (0 = the kernels' default for a field). The one check:
+// paged_ops/tuning.py asks it through launch_config_problem.
+inline const char* config_problem(at::IntArrayRef c) {
+  if (c.size() != size_t(kConfigSize))
+    return "a config has 5 fields [threads, partition_size, kv_tile, force_split, tensor_cores]";
+  const int64_t threads = c[0], partition_size = c[1], kv_tile = c[2], force_split = c[3], tensor_cores = c[4];
   if (!(threads == 0 || (threads >= 32 && threads <= 1024 && threads % 32 == 0)))
     return "threads must be 0 or a multiple of 32 in [32, 1024]";
   if (!(partition_size == 0 || partition_size == -1 ||
@@ -80,147 +141,168 @@ inline const char* config_problem(int64_t threads, int64_t partition_size, int64
     return "partition_size must be -1, 0 or a multiple of 16 in [16, 2^20]";
   if (!(kv_tile == 0 || (kv_tile >= 8 && kv_tile <= 256 && (kv_tile & (kv_tile - 1)) == 0)))
     return "kv_tile must be 0 or a power of two in [8, 256]";
+  if (force_split != 0 && force_split != 1) return "force_split must be 0 or 1";
   if (tensor_cores < -1 || tensor_cores > 1) return "tensor_cores must be -1, 0 or 1";
   return nullptr;
 }
 
-constexpr size_t kMaxKeyChars = 512;
-constexpr off_t kMaxFileBytes = off_t(16) << 20;  // a few hundred bytes a shape; more is not ours
+// ---- the table ----------------------------------------------------------------------------------
 
-inline bool is_key(const std::string& key) {
-  if (key.empty() || key.size() > kMaxKeyChars) return false;
-  for (char ch : key)
-    if (ch < '!' || ch > '~') return false;  // printable ASCII, no spaces
-  return true;
-}
+struct Entry {
+  Key key;
+  paged::LaunchConfig config;
+};
 
-inline bool parse_int(const std::string& token, int64_t& value) {
-  if (token.empty() || token.size() > 12) return false;
-  errno = 0;
-  char* end = nullptr;
-  const long long v = std::strtoll(token.c_str(), &end, 10);
-  if (errno != 0 || end != token.c_str() + token.size()) return false;
-  value = v;
-  return true;
-}
-
-// One "key threads partition kv_tile tc" line; false (and `key`/`c` untouched) for anything else.
-inline bool parse_line(const std::string& line, std::string& key, paged::LaunchConfig& c) {
-  std::istringstream ls(line);
-  std::string tokens[6];
-  int n = 0;
-  while (n < 6 && ls >> tokens[n]) ++n;
-  if (n != 5 || !is_key(tokens[0])) return false;
-  int64_t v[4];
-  for (int i = 0; i < 4; ++i)
-    if (!parse_int(tokens[i + 1], v[i])) return false;
-  if (config_problem(v[0], v[1], v[2], v[3]) != nullptr) return false;
-  key = tokens[0];
-  c = paged::LaunchConfig{};
-  c.threads = int(v[0]);
-  c.partition_size = int(v[1]);
-  c.kv_tile = int(v[2]);
-  c.tensor_cores = int(v[3]);
-  return true;
-}
-
-// The file's bytes, or "" when it is missing, not a regular file, too large or unreadable.
-inline std::string read_cache_file(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // a FIFO: opens, not read
-  if (fd < 0) return {};
-  std::string data;
-  struct stat st {};
-  if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size <= kMaxFileBytes) {
-    char buf[1 << 16];
-    for (;;) {
-      const ssize_t got = ::read(fd, buf, sizeof buf);
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) break;
-      data.append(buf, size_t(got));
-      if (data.size() > size_t(kMaxFileBytes)) {  // grew while read
-        data.clear();
-        break;
-      }
+class Table {
+ public:
+  explicit Table(std::vector<Entry> entries) : entries_(std::move(entries)) {
+    size_t capacity = 2;
+    while (capacity < 2 * entries_.size()) capacity <<= 1;  // at most half full: short probes
+    mask_ = capacity - 1;
+    slots_.assign(capacity, -1);
+    for (size_t i = 0; i < entries_.size(); ++i) {
+      size_t s = hash_key(entries_[i].key) & mask_;
+      while (slots_[s] >= 0) s = (s + 1) & mask_;
+      slots_[s] = int32_t(i);
     }
   }
-  ::close(fd);
-  return data;
+
+  const paged::LaunchConfig* find(const Key& key) const {
+    for (size_t s = hash_key(key) & mask_;; s = (s + 1) & mask_) {
+      const int32_t i = slots_[s];
+      if (i < 0) return nullptr;
+      if (entries_[i].key == key) return &entries_[i].config;
+    }
+  }
+
+  const std::vector<Entry>& entries() const { return entries_; }
+
+ private:
+  std::vector<Entry> entries_;  // one per key
+  std::vector<int32_t> slots_;  // index into entries_, -1 empty
+  size_t mask_;
+};
+
+// nullptr: nothing installed. Constant-initialized, so reading it needs no static guard.
+inline std::atomic<const Table*> published{nullptr};
+
+inline std::mutex& install_mutex() {  // installs only; lookups never take it
+  static std::mutex* mu = new std::mutex;
+  return *mu;
 }
 
-inline Registry& registry() {
-  static Registry* r = [] {
-    auto* reg = new Registry;  // never destroyed: lookups may run during interpreter shutdown
-    std::istringstream in(read_cache_file(cache_file()));
-    std::string line, key;
-    paged::LaunchConfig c;
-    while (std::getline(in, line))
-      if (parse_line(line, key, c)) reg->configs[key] = c;
-    return reg;
-  }();
-  return *r;
+// Adds (replace: only) these entries; a later entry of the same key wins.
+inline void install(const std::vector<Entry>& added, bool replace) {
+  std::lock_guard<std::mutex> lock(install_mutex());
+  const Table* old = published.load(std::memory_order_acquire);
+  std::vector<Entry> entries;
+  if (old && !replace) entries = old->entries();
+  for (const Entry& e : added) {
+    bool found = false;
+    for (Entry& have : entries)
+      if (have.key == e.key) {
+        have.config = e.config;
+        found = true;
+        break;
+      }
+    if (!found) entries.push_back(e);
+  }
+  published.store(entries.empty() ? nullptr : new Table(std::move(entries)), std::memory_order_release);
 }
 
-inline paged::LaunchConfig lookup(const std::string& key) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.configs.find(key);
-  return it == r.configs.end() ? paged::LaunchConfig{} : it->second;
+// The launch configuration of a call that names none (binding Target::tuned_config): one atomic
+// load, the key's eleven integers, a hash and a probe or two.
+inline paged::LaunchConfig tuned_config(const paged::AttentionParams& p, bool decode) {
+  const Table* table = published.load(std::memory_order_acquire);
+  if (table == nullptr) return paged::LaunchConfig{};
+  const paged::LaunchConfig* found = table->find(key_of(p, decode));
+  return found ? *found : paged::LaunchConfig{};
 }
 
-inline void set_config(const std::string& key, int64_t threads, int64_t partition_size, int64_t kv_tile,
-                       int64_t tensor_cores) {
-  TORCH_CHECK_VALUE(is_key(key), "set_tuned_config: key must be one token of printable ASCII (no spaces), at most ",
-                    kMaxKeyChars, " characters");
-  const char* problem = config_problem(threads, partition_size, kv_tile, tensor_cores);
-  TORCH_CHECK_VALUE(problem == nullptr, "set_tuned_config: ", problem ? problem : "", " (got threads=", threads,
-                    ", partition_size=", partition_size, ", kv_tile=", kv_tile, ", tensor_cores=", tensor_cores, ")");
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  paged::LaunchConfig c;
-  c.threads = int(threads);
-  c.partition_size = int(partition_size);
-  c.kv_tile = int(kv_tile);
-  c.tensor_cores = int(tensor_cores);
-  r.configs[key] = c;
-}
+// ---- the ops paged_ops/tuning.py uses ---------------------------------------------------------
 
-// [threads, partition_size, kv_tile, tensor_cores, tuned (1) or default (0)]
-inline std::vector<int64_t> get_config(const std::string& key) {
-  Registry& r = registry();
-  std::lock_guard<std::mutex> lock(r.mu);
-  auto it = r.configs.find(key);
-  if (it == r.configs.end()) return {0, 0, 0, 0, 0};
-  const paged::LaunchConfig& c = it->second;
-  return {c.threads, c.partition_size, c.kv_tile, c.tensor_cores, 1};
-}
-
-
-inline std::string key_for_tensors(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables,
-                                   int64_t num_seqs_or_max_q, bool decode) {
-  const auto code = [](at::ScalarType t) { return int(paged::binding::dtype_code(t)); };  // the kernels' codes
-  const int group = int(query.size(1) / key_cache.size(2));
-  const int64_t num_seqs = block_tables.size(0);
-  const int64_t len = decode ? block_tables.size(1) * key_cache.size(1) : num_seqs_or_max_q;
+// The key of a call with these tensors (its other arguments do not change the key).
+inline std::vector<int64_t> tuning_key(const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& block_tables, int64_t max_seqlen_q, bool decode) {
+  TORCH_CHECK_VALUE(query.dim() == 3 && key_cache.dim() == 4 && block_tables.dim() == 2,
+                    "tuning_key: query [num_tokens, num_heads, head_size], key_cache [num_blocks, block_size, "
+                    "num_kv_heads, head_size], block_tables [num_seqs, max_blocks_per_seq]");
+  const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2), block_size = key_cache.size(1);
+  for (int64_t v : {query.size(2), num_heads, num_kv_heads, block_size})
+    TORCH_CHECK_VALUE(v >= 1 && v <= INT32_MAX, "tuning_key: sizes must be in [1, 2^31), got ", v);
   int sms = 0;
   if (query.is_cuda() && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.get_device()) != cudaSuccess)
     sms = 0;
-  return shape_key(code(query.scalar_type()), code(key_cache.scalar_type()), int(query.size(2)), group,
-                   int(key_cache.size(2)), int(key_cache.size(1)), num_seqs, len, decode, sms);
+  const int64_t capacity = block_tables.size(1) > (int64_t(1) << 62) / block_size ? int64_t(1) << 62
+                                                                                 : block_tables.size(1) * block_size;
+  const Key k = make_key(decode, sms, paged::binding::dtype_code(query.scalar_type()),
+                         paged::binding::dtype_code(key_cache.scalar_type()), query.size(2), num_heads, num_kv_heads,
+                         block_size, key_cache.stride(2) > key_cache.stride(1), block_tables.size(0),
+                         decode ? capacity : max_seqlen_q);
+  return std::vector<int64_t>(k.begin(), k.end());
 }
 
-// The launch configuration of a call that names none (binding Target::tuned_config).
-inline paged::LaunchConfig tuned_config(const paged::AttentionParams& p, bool decode) {
-  return lookup(shape_key(p, decode));
+inline std::string tuning_key_problem(at::IntArrayRef key, const std::string& op) {
+  const char* problem = key_problem(key, op.c_str());
+  return problem ? problem : "";
 }
 
-// The ops paged_ops/tuning.py uses, in the paged_cuda namespace: the key a call of this shape looks
-// up, recording a tuned config for a key, and reading back what a key resolves to.
+inline std::vector<std::string> launch_config_fields() {
+  return std::vector<std::string>(std::begin(kConfigFields), std::end(kConfigFields));
+}
+
+inline std::string launch_config_problem(at::IntArrayRef config) {
+  const char* problem = config_problem(config);
+  return problem ? problem : "";
+}
+
+// The candidates of the key's op and shape, config after config.
+inline std::vector<int64_t> tuning_candidates(at::IntArrayRef key) {
+  const Key k = key_from_list(key, "tuning_candidates");
+  std::vector<int64_t> flat;
+  for (const paged::LaunchConfig& c : k[kOp] == 0 ? decode_candidates(k[kGroup]) : prefill_candidates())
+    for (int64_t v : config_list(c)) flat.push_back(v);
+  return flat;
+}
+
+// n keys and n configs, each list flat (n * 11 and n * 5 integers). All checked before any is
+// installed: a bad entry installs nothing.
+inline void set_tuned_configs(at::IntArrayRef keys, at::IntArrayRef configs, bool replace) {
+  TORCH_CHECK_VALUE(keys.size() % kKeyFields == 0 && configs.size() % kConfigSize == 0 &&
+                        keys.size() / kKeyFields == configs.size() / kConfigSize,
+                    "set_tuned_configs: n keys of 11 integers and n configs of 5, got ", keys.size(), " and ",
+                    configs.size(), " integers");
+  std::vector<Entry> entries;
+  for (size_t i = 0; i < keys.size() / kKeyFields; ++i) {
+    const at::IntArrayRef c = configs.slice(i * kConfigSize, kConfigSize);
+    const char* problem = config_problem(c);
+    TORCH_CHECK_VALUE(problem == nullptr, "set_tuned_configs: ", problem ? problem : "", " (got ", c, ")");
+    entries.push_back(Entry{key_from_list(keys.slice(i * kKeyFields, kKeyFields), "set_tuned_configs"),
+                            paged::binding::config_from_list(c)});
+  }
+  install(entries, replace);
+}
+
+// [threads, partition_size, kv_tile, force_split, tensor_cores, tuned (1) or the defaults (0)]
+inline std::vector<int64_t> tuned_config_of(at::IntArrayRef key) {
+  const Key k = key_from_list(key, "tuned_config");
+  const Table* table = published.load(std::memory_order_acquire);
+  const paged::LaunchConfig* found = table ? table->find(k) : nullptr;
+  std::vector<int64_t> out = config_list(found ? *found : paged::LaunchConfig{});
+  out.push_back(found ? 1 : 0);
+  return out;
+}
+
+// Defines them in the paged_cuda namespace (csrc/cuda/ops.cpp).
 inline void define_ops(torch::Library& m) {
-  m.def("tuning_key(Tensor query, Tensor key_cache, Tensor block_tables, int max_seqlen_q, bool decode) -> str",
-        &key_for_tensors);
-  m.def("set_tuned_config(str key, int threads, int partition_size, int kv_tile, int tensor_cores=0) -> ()",
-        &set_config);
-  m.def("tuned_config(str key) -> int[]", &get_config);
+  m.def("tuning_key(Tensor query, Tensor key_cache, Tensor block_tables, int max_seqlen_q, bool decode) -> int[]",
+        &tuning_key);
+  m.def("tuning_key_problem(int[] key, str op) -> str", &tuning_key_problem);
+  m.def("launch_config_fields() -> str[]", &launch_config_fields);
+  m.def("launch_config_problem(int[] config) -> str", &launch_config_problem);
+  m.def("tuning_candidates(int[] key) -> int[]", &tuning_candidates);
+  m.def("set_tuned_configs(int[] keys, int[] configs, bool replace=False) -> ()", &set_tuned_configs);
+  m.def("tuned_config(int[] key) -> int[]", &tuned_config_of);
 }
 
 }  // namespace tuning
