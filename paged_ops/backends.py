@@ -32,12 +32,14 @@ from . import _C
 OPS = ("reshape_and_cache", "decode_attention", "prefill_attention", "merge_attention_states",
        "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks")
 
-# Index order is the C++ side's (csrc/public/select.h); names, in that order, are the
-# available_backends() order.
-_NAMES: tuple[str, ...] = _C._backend_names()
-_NAMESPACES: dict[str, str] = dict(zip(_NAMES, _C._backend_namespaces()))
+# The one table of backends (csrc/backends.h), in index order: name, torch.library namespace, the
+# devices its kernels take, and the Python module of a Python backend ("" for C++).
+_TABLE: tuple[tuple[str, str, tuple[str, ...], str], ...] = _C._backends()
+_NAMES: tuple[str, ...] = tuple(row[0] for row in _TABLE)
+_NAMESPACES: dict[str, str] = {row[0]: row[1] for row in _TABLE}
+_DEVICES: dict[str, tuple[str, ...]] = {row[0]: row[2] for row in _TABLE}
+_MODULES: dict[str, str] = {row[0]: row[3] for row in _TABLE if row[3]}
 _INDEX = {name: i for i, name in enumerate(_NAMES)}
-_DEVICES = {"cpu": ("cpu",), "cuda": ("cuda",), "cuda_emu": ("cpu",)}  # triton: its module says
 
 # use_backend's forced backend (index into _NAMES, or None). The C++ op reads it only while
 # some use_backend block is open (_C._add_override counts them).
@@ -45,8 +47,9 @@ _FORCED: contextvars.ContextVar[int | None] = contextvars.ContextVar("paged_ops_
 _C._set_backend_var(_FORCED)
 
 
-def _triton():
-    return importlib.import_module("paged_ops.triton")
+def _module(name: str):
+    """The module of Python backend ``name`` (imported on first use: ``import paged_ops`` stays fast)."""
+    return importlib.import_module(_MODULES[name])
 
 
 def _namespace_registered(namespace: str) -> bool:
@@ -56,12 +59,12 @@ def _namespace_registered(namespace: str) -> bool:
 @functools.cache
 def _is_available(name: str) -> bool:
     # What a process can run does not change while it runs.
-    if name == "triton":
+    if name in _MODULES:  # a Python backend says itself
         try:
-            return bool(_triton().is_available())
-        except (ImportError, AttributeError):  # triton missing, or too old for the kernels
+            return bool(_module(name).is_available())
+        except (ImportError, AttributeError):  # e.g. triton missing, or too old for the kernels
             return False
-    if name == "cuda" and not torch.cuda.is_available():
+    if _DEVICES[name] == ("cuda",) and not torch.cuda.is_available():
         return False
     return _namespace_registered(_NAMESPACES[name])
 
@@ -81,7 +84,9 @@ class Backend:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(_triton().DEVICES) if self.name == "triton" else _DEVICES[self.name]
+        if self.name in _MODULES:  # where it runs in this process (triton on CPU: the interpreter)
+            return tuple(_module(self.name).DEVICES)
+        return _DEVICES[self.name]
 
     def __repr__(self) -> str:
         return f"paged_ops.backend({self.name!r})"
@@ -91,8 +96,8 @@ class Backend:
         validated their arguments once and time many calls). Bad input here is undefined."""
         if op not in OPS:
             raise ValueError(f"unknown op {op!r}; ops: {OPS}")
-        if self.name == "triton":
-            return getattr(_triton(), op)
+        if self.name in _MODULES:
+            return getattr(_module(self.name), op)
         return getattr(getattr(torch.ops, _NAMESPACES[self.name]), op).default
 
     def __getattr__(self, op: str):
@@ -191,7 +196,7 @@ def selected_backend(device_type: str) -> str:
     return _C._selected_backend(str(device_type))
 
 
-# ---- the triton backend's kernels ------------------------------------------------------------
+# ---- the Python backends' kernels (triton) ------------------------------------------------------------
 
 
 def _device_of(op: str, args) -> torch.device:
@@ -202,24 +207,27 @@ def _device_of(op: str, args) -> torch.device:
     return args[0].device if op in ("reshape_and_cache", "merge_attention_states", "merge_states") else args[1].device
 
 
-def _triton_kernel(op: str) -> Callable:
+def _python_kernel(name: str, op: str) -> Callable:
+    """The kernel of ``op`` in Python backend ``name``: its module's function of the same name,
+    imported on the first call (so ``import paged_ops`` does not import triton)."""
     schema_args = getattr(torch.ops.paged, op).default._schema.arguments
 
     def kernel(*args, **kwargs):
-        # The dispatcher leaves out trailing arguments equal to their defaults; the Triton
+        # The dispatcher leaves out trailing arguments equal to their defaults; the Python
         # functions take every argument.
         args = (*args, *(kwargs.get(a.name, a.default_value) for a in schema_args[len(args):]))
-        module = _triton()
-        if not _is_available("triton"):
-            raise RuntimeError(f"backend 'triton' is not available here (triton missing or too old); "
+        module = _module(name)
+        if not _is_available(name):
+            raise RuntimeError(f"backend {name!r} is not available here ({name} missing or too old); "
                                f"available: {available_backends()}")
         device = _device_of(op, args).type
         if device not in module.DEVICES:
-            raise RuntimeError(f"backend 'triton' does not run on {device} tensors here"
-                               + (" (set TRITON_INTERPRET=1 before triton is first imported)" if device == "cpu" else ""))
+            raise RuntimeError(f"backend {name!r} does not run on {device} tensors here"
+                               + (" (set TRITON_INTERPRET=1 before triton is first imported)"
+                                  if name == "triton" and device == "cpu" else ""))
         getattr(module, op)(*args)
 
-    kernel.__name__ = f"paged_triton_{op}"
+    kernel.__name__ = f"{_NAMESPACES[name]}_{op}"
     return kernel
 
 
@@ -271,8 +279,9 @@ def _fake(op: str) -> Callable:
 
 
 def _register() -> None:
-    for op in OPS:
-        torch.library.impl(f"paged_triton::{op}", ("cpu", "cuda"))(_triton_kernel(op))
+    for name in _MODULES:
+        for op in OPS:
+            torch.library.impl(f"{_NAMESPACES[name]}::{op}", _DEVICES[name])(_python_kernel(name, op))
     for namespace in ("paged", *_NAMESPACES.values()):
         if not _namespace_registered(namespace):
             continue

@@ -11,7 +11,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <climits>
+#include <limits>
 #include <cstring>
 #include <optional>
 #include <type_traits>
@@ -28,20 +30,27 @@ namespace binding {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-// Where a call runs: the launcher tables of one build, its stream, the device's SM count, and how
-// it copies bytes (swap_blocks).
+// Where a call runs: the launchers of one build (addresses of the launcher objects, read at call
+// time), its stream, the device's SM count, and how it copies bytes (swap_blocks).
 struct Target {
-  const DecodeLauncher* decode;  // addresses of the launcher objects (read at call time)
+  // Attention, either planned here (kernels/plan.h) and launched through `decode` / `prefill`
+  // (the CUDA kernels, on a GPU or the emulator), or, where `attention` is set, one call that plans
+  // its own work (the cpu backend; decode when p.cu_seqlens_q is null).
+  const DecodeLauncher* decode;
   const PrefillLauncher* prefill;
+  void (*attention)(const AttentionParams& p);
   const CacheLaunchers* cache;
+  const MergeLauncher* merge;
+  const MergeStatesLauncher* merge_states;
   Stream stream;
   int num_sms;
   void (*copy_bytes)(void* dst, const void* src, size_t bytes, Stream stream);
   // The launch configuration of a call that names none: the tuned one for its shape (GPU), or
   // null for the kernels' defaults.
   LaunchConfig (*tuned_config)(const AttentionParams& p, bool decode);
-  const MergeLauncher* merge;
-  const MergeStatesLauncher* merge_states;
+  // The kernels index heads, rows and blocks with int: larger sizes are rejected before a launch
+  // (int_size). False: every size is int64 all the way (the cpu backend).
+  bool int32_sizes;
 };
 
 // An explicit configuration (the test namespace's *_config ops), else the target's choice.
@@ -63,8 +72,11 @@ inline DType dtype_code(at::ScalarType t) {
 
 // Sizes the kernels index with int: a larger one is rejected here rather than narrowed.
 inline int int_size(int64_t v, const char* what) {
-  TORCH_CHECK_VALUE(v >= 0 && v <= INT_MAX, what, "=", v, " does not fit the CUDA kernels' 32-bit index");
+  TORCH_CHECK_VALUE(v >= 0 && v <= INT_MAX, what, "=", v, " does not fit the kernels' 32-bit index");
   return int(v);
+}
+inline int64_t size_for(const Target& tgt, int64_t v, const char* what) {
+  return tgt.int32_sizes ? int_size(v, what) : v;
 }
 
 // [threads, partition_size, kv_tile, force_split, tensor_cores]; missing entries are 0 (default).
@@ -85,8 +97,8 @@ inline const float* scale_ptr(const OptTensor& s) { return s ? s->data_ptr<float
 // The cache fields AttentionParams and ReshapeCacheParams share: pointers, strides, fp8 scales (their
 // strides: per P, since reshape_and_cache's scales have no sequence dimension).
 template <typename P>
-void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, const OptTensor& k_scale,
-                      const OptTensor& v_scale) {
+void set_cache_fields(const Target& tgt, P& p, const Tensor& key_cache, const Tensor& value_cache,
+                      const OptTensor& k_scale, const OptTensor& v_scale) {
   p.key_cache = key_cache.data_ptr();
   p.value_cache = value_cache.data_ptr();
   p.k_scale = scale_ptr(k_scale);
@@ -99,7 +111,7 @@ void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, 
   p.k_scale_head_stride = ks.head_stride;
   p.v_scale_head_stride = vs.head_stride;
   p.cache_dtype = dtype_code(key_cache.scalar_type());
-  p.block_size = int_size(key_cache.size(1), "block_size");
+  p.block_size = decltype(p.block_size)(size_for(tgt, key_cache.size(1), "block_size"));
   p.k_stride_block = key_cache.stride(0);
   p.k_stride_token = key_cache.stride(1);
   p.k_stride_head = key_cache.stride(2);
@@ -108,13 +120,14 @@ void set_cache_fields(P& p, const Tensor& key_cache, const Tensor& value_cache, 
   p.v_stride_head = value_cache.stride(2);
 }
 
-inline AttentionParams attention_params(const Tensor& out, const Tensor& query, const Tensor& key_cache,
-                                        const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+inline AttentionParams attention_params(const Target& tgt, const Tensor& out, const Tensor& query,
+                                        const Tensor& key_cache, const Tensor& value_cache,
+                                        const Tensor& block_tables, const Tensor& seq_lens,
                                         const Tensor* cu_seqlens_q, int64_t max_seqlen_q, double scale, bool causal,
                                         const OptTensor& k_scale, const OptTensor& v_scale,
-                                        const AttentionVariants& variants, int num_sms) {
+                                        const AttentionVariants& variants) {
   AttentionParams p{};
-  set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
+  set_cache_fields(tgt, p, key_cache, value_cache, k_scale, v_scale);
   p.out = out.data_ptr();
   p.query = query.data_ptr();
   p.q_stride_token = query.stride(0);
@@ -129,14 +142,18 @@ inline AttentionParams attention_params(const Tensor& out, const Tensor& query, 
   p.dtype = dtype_code(query.scalar_type());
   p.num_seqs = seq_lens.size(0);
   p.num_tokens = query.size(0);
-  p.num_heads = int_size(query.size(1), "num_heads");
-  p.num_kv_heads = int_size(key_cache.size(2), "num_kv_heads");
-  p.head_size = int_size(query.size(2), "head_size");
+  p.num_heads = size_for(tgt, query.size(1), "num_heads");
+  p.num_kv_heads = size_for(tgt, key_cache.size(2), "num_kv_heads");
+  p.head_size = size_for(tgt, query.size(2), "head_size");
   p.max_seqlen_q = max_seqlen_q;
   p.scale = float(scale);
   p.causal = causal;
-  p.num_sms = num_sms;
-  p.softcap = float(variants.softcap);
+  p.num_sms = tgt.num_sms;
+  // softcap in float, kept > 0 and finite when it is (validation bounds it; a direct call of a
+  // backend namespace does not validate, and inf * tanh(0) would make every score NaN).
+  p.softcap = variants.softcap > 0 ? std::clamp(float(variants.softcap), std::numeric_limits<float>::denorm_min(),
+                                                std::numeric_limits<float>::max())
+                                   : 0.f;
   p.window_left = variants.window_left;
   p.window_right = variants.window_right;
   p.sinks = variants.sinks_ptr();
@@ -151,8 +168,9 @@ inline void decode_attention(const Target& tgt, const LaunchConfig* cfg, Tensor&
                              const Tensor& seq_lens, double scale, const OptTensor& k_scale, const OptTensor& v_scale,
                              const AttentionVariants& variants) {
   if (query.size(0) == 0) return;
-  const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, 1,
-                                             scale, true, k_scale, v_scale, variants, tgt.num_sms);
+  const AttentionParams p = attention_params(tgt, out, query, key_cache, value_cache, block_tables, seq_lens, nullptr,
+                                             1, scale, true, k_scale, v_scale, variants);
+  if (tgt.attention) return tgt.attention(p);
   const DecodePlan plan = plan_decode(p, resolve_config(tgt, cfg, p, /*decode=*/true));
   Tensor workspace;
   if (plan.workspace_floats) workspace = at::empty({int64_t(plan.workspace_floats)}, query.options().dtype(at::kFloat));
@@ -165,9 +183,9 @@ inline void prefill_attention(const Target& tgt, const LaunchConfig* cfg, Tensor
                               bool causal, const OptTensor& k_scale, const OptTensor& v_scale,
                               const AttentionVariants& variants) {
   if (query.size(0) == 0 || seq_lens.size(0) == 0) return;  // no query row: nothing to write
-  const AttentionParams p = attention_params(out, query, key_cache, value_cache, block_tables, seq_lens,
-                                             &cu_seqlens_q, max_seqlen_q, scale, causal, k_scale, v_scale,
-                                             variants, tgt.num_sms);
+  const AttentionParams p = attention_params(tgt, out, query, key_cache, value_cache, block_tables, seq_lens,
+                                             &cu_seqlens_q, max_seqlen_q, scale, causal, k_scale, v_scale, variants);
+  if (tgt.attention) return tgt.attention(p);
   if (p.batch_invariant) {
     // Every row through the decode kernel (kernels/decode.cuh "Rows"): a causal row at position p
     // computes exactly what a decode of seq_len p + 1 does, so chunked prefill and decode give the
@@ -242,7 +260,7 @@ inline void reshape_and_cache(const Target& tgt, const Tensor& key, const Tensor
                               const OptTensor& v_scale) {
   if (key.size(0) == 0) return;
   ReshapeCacheParams p{};
-  set_cache_fields(p, key_cache, value_cache, k_scale, v_scale);
+  set_cache_fields(tgt, p, key_cache, value_cache, k_scale, v_scale);
   p.key = key.data_ptr();
   p.value = value.data_ptr();
   p.slot_mapping = slot_mapping.data_ptr<int64_t>();

@@ -32,10 +32,6 @@ bool has_kernel_image(int device);  // csrc/cuda/device_support.cu
 namespace paged::api {
 namespace {
 
-constexpr std::array<const char*, kNumBackends> kNames = {"cpu", "triton", "cuda", "cuda_emu"};
-constexpr std::array<const char*, kNumBackends> kNamespaces = {"paged_cpu", "paged_triton", "paged_cuda",
-                                                               "paged_cuda_emu"};
-
 thread_local int t_call_backend = -1;   // 1.
 std::atomic<int> g_active_overrides{0};  // 2.: use_backend blocks open in the process
 PyObject* g_backend_var = nullptr;       // 2.: the ContextVar (value: backend index or None)
@@ -98,7 +94,7 @@ int forced_by_context() {
 
 std::string valid_names() {
   std::string s;
-  for (const char* n : kNames) s += std::string(s.empty() ? "" : ", ") + "'" + n + "'";
+  for (const Row& row : kTable) s += std::string(s.empty() ? "" : ", ") + "'" + row.name + "'";
   return s;
 }
 
@@ -106,20 +102,16 @@ int forced_by_env() {
   const char* value = std::getenv("PAGED_OPS_BACKEND");
   if (value == nullptr || *value == '\0') return -1;
   for (int b = 0; b < kNumBackends; ++b) {
-    if (std::strcmp(value, kNames[b]) == 0) return b;
+    if (std::strcmp(value, kTable[b].name) == 0) return b;
   }
   TORCH_CHECK_VALUE(false, "PAGED_OPS_BACKEND='", value, "' is not a paged_ops backend; valid names (exact, ",
                     "lower case): ", valid_names());
 }
 
+// The table's devices column (triton on CPU tensors: its module checks TRITON_INTERPRET).
 bool runs_on(int backend, c10::DeviceType type) {
-  switch (backend) {
-    case kCpu:
-    case kCudaEmu: return type == c10::kCPU;
-    case kCuda: return type == c10::kCUDA;
-    case kTriton: return type == c10::kCUDA || type == c10::kCPU;  // CPU: under TRITON_INTERPRET=1
-    default: return false;
-  }
+  const unsigned devices = kTable[backend].devices;
+  return (type == c10::kCPU && (devices & kOnCpu)) || (type == c10::kCUDA && (devices & kOnCuda));
 }
 
 #ifdef PAGED_OPS_WITH_CUDA
@@ -146,8 +138,6 @@ bool cuda_kernels_run_on(int device) {
 
 }  // namespace
 
-const char* backend_name(int backend) { return kNames.at(backend); }
-
 bool batch_invariant_mode(bool requested) {
   if (requested) return true;  // the call's own argument cannot be turned off from outside
   const int by_context = batch_invariant_by_context();
@@ -156,7 +146,6 @@ bool batch_invariant_mode(bool requested) {
   const char* env = std::getenv("PAGED_OPS_BATCH_INVARIANT");
   return env != nullptr && env[0] == '1' && env[1] == '\0';
 }
-const char* backend_namespace(int backend) { return kNamespaces.at(backend); }
 
 int select_backend(const c10::Device& device) {
   int forced = t_call_backend;
@@ -164,7 +153,7 @@ int select_backend(const c10::Device& device) {
   if (forced < 0) forced = forced_by_context(), how = " (forced by use_backend)";
   if (forced < 0) forced = forced_by_env(), how = " (forced by PAGED_OPS_BACKEND)";
   if (forced >= 0) {
-    TORCH_CHECK(runs_on(forced, device.type()), "backend '", kNames[forced], "'", how, " does not run on ",
+    TORCH_CHECK(runs_on(forced, device.type()), "backend '", kTable[forced].name, "'", how, " does not run on ",
                 c10::DeviceTypeName(device.type(), /*lower_case=*/true), " tensors");
     return forced;
   }
@@ -197,16 +186,19 @@ PyObject* translate(F&& f) {
   return nullptr;
 }
 
-PyObject* py_backend_names(PyObject*, PyObject*) {
-  PyObject* names = PyTuple_New(kNumBackends);
-  for (int b = 0; b < kNumBackends; ++b) PyTuple_SET_ITEM(names, b, PyUnicode_FromString(kNames[b]));
-  return names;
-}
-
-PyObject* py_backend_namespaces(PyObject*, PyObject*) {
-  PyObject* names = PyTuple_New(kNumBackends);
-  for (int b = 0; b < kNumBackends; ++b) PyTuple_SET_ITEM(names, b, PyUnicode_FromString(kNamespaces[b]));
-  return names;
+// _backends() -> ((name, namespace, devices, module), ...): the table (csrc/backends.h), in index
+// order; devices a tuple of device types ("cpu", "cuda"), module "" for a C++ backend.
+PyObject* py_backends(PyObject*, PyObject*) {
+  PyObject* rows = PyTuple_New(kNumBackends);
+  for (int b = 0; b < kNumBackends; ++b) {
+    const Row& row = kTable[b];
+    PyObject* devices = PyTuple_New((row.devices & kOnCpu ? 1 : 0) + (row.devices & kOnCuda ? 1 : 0));
+    Py_ssize_t i = 0;
+    if (row.devices & kOnCpu) PyTuple_SET_ITEM(devices, i++, PyUnicode_FromString("cpu"));
+    if (row.devices & kOnCuda) PyTuple_SET_ITEM(devices, i++, PyUnicode_FromString("cuda"));
+    PyTuple_SET_ITEM(rows, b, Py_BuildValue("(ssNs)", row.name, row.ns, devices, row.module));
+  }
+  return rows;
 }
 
 // _set_backend_var(var): the ContextVar use_backend sets (once, at import).
@@ -262,12 +254,11 @@ PyObject* py_add_batch_invariant_blocks(PyObject*, PyObject* delta) {
 PyObject* py_selected_backend(PyObject*, PyObject* device) {
   const char* text = PyUnicode_AsUTF8(device);
   if (text == nullptr) return nullptr;
-  return translate([&] { return PyUnicode_FromString(kNames[select_backend(c10::Device(std::string(text)))]); });
+  return translate([&] { return PyUnicode_FromString(kTable[select_backend(c10::Device(std::string(text)))].name); });
 }
 
 PyMethodDef g_methods[] = {
-    {"_backend_names", py_backend_names, METH_NOARGS, "backend names, in index order"},
-    {"_backend_namespaces", py_backend_namespaces, METH_NOARGS, "torch.ops namespaces, in index order"},
+    {"_backends", py_backends, METH_NOARGS, "the table of backends (csrc/backends.h), in index order"},
     {"_set_backend_var", py_set_backend_var, METH_O, "the ContextVar of use_backend"},
     {"_add_override", py_add_override, METH_O, "count of open use_backend blocks += delta"},
     {"_swap_call_backend", py_swap_call_backend, METH_O, "force the next call's backend on this thread"},

@@ -5,13 +5,14 @@
 #include <Python.h>
 #include <c10/core/Device.h>
 
+#include "backends.h"
+
 namespace paged::api {
 
-// Order = paged_ops.available_backends() order.
-enum Backend : int { kCpu = 0, kTriton = 1, kCuda = 2, kCudaEmu = 3, kNumBackends = 4 };
+using namespace paged::backends;  // the table: kCpu, ..., kNumBackends, kTable
 
-const char* backend_name(int backend);       // "cpu", "triton", "cuda", "cuda_emu"
-const char* backend_namespace(int backend);  // "paged_cpu", ...
+inline const char* backend_name(int backend) { return kTable[backend].name; }     // "cpu", ...
+inline const char* backend_namespace(int backend) { return kTable[backend].ns; }  // "paged_cpu", ...
 
 // The backend for a call on tensors of `device`. Throws c10::ValueError for an unknown
 // PAGED_OPS_BACKEND, c10::Error when the forced backend does not run on the device.
