@@ -157,6 +157,11 @@ def test_cuda_key_holds_layout_head_counts_and_buckets():
     assert prefill[0] == 1 and prefill[-1] == 7 and prefill[-2] == 1  # 70 -> 128 = 2^7; 2 sequences -> 2^1
     assert tuning.cuda_key(case.query, case.key_cache, case.block_tables, 65) == prefill  # the same bucket
     assert tuning.cuda_key(case.query, case.key_cache, case.block_tables, 64) != prefill
+    # a block table's capacity past int64 (a stride-0 view) is the last bucket, not a wrapped product
+    wide = torch.zeros(1, 1, dtype=torch.int32).expand(2, 1 << 40)
+    huge = torch.zeros(1, 1, dtype=torch.int32).expand(2, 1 << 61)
+    assert tuning.cuda_key(case.query, case.key_cache, wide)[-1] == 44
+    assert tuning.cuda_key(case.query, case.key_cache, huge)[-1] == 63
 
 
 def test_cuda_key_checks_and_ops():

@@ -58,6 +58,12 @@ constexpr const char* kOpNames[] = {"decode_attention", "prefill_attention"};
 
 inline int32_t ceil_log2(int64_t n) { return n <= 1 ? 0 : 64 - __builtin_clzll(uint64_t(n - 1)); }
 
+// A block table's capacity in tokens, saturated: a product past int64 is the last bucket.
+inline int64_t capacity_tokens(int64_t blocks, int64_t block_size) {
+  int64_t tokens;
+  return __builtin_mul_overflow(blocks, block_size, &tokens) ? INT64_MAX : tokens;
+}
+
 // Sizes as the CUDA binding checked them (each fits an int, num_kv_heads >= 1).
 inline Key make_key(bool decode, int num_sms, paged::DType dtype, paged::DType cache_dtype, int64_t head_size,
                     int64_t num_heads, int64_t num_kv_heads, int64_t block_size, bool head_major, int64_t num_seqs,
@@ -77,12 +83,9 @@ inline Key make_key(bool decode, int num_sms, paged::DType dtype, paged::DType c
 
 // What the kernels' call path looks up.
 inline Key key_of(const paged::AttentionParams& p, bool decode) {
-  // The table's capacity in tokens, saturated: a bucket past 2^62 is the same bucket.
-  const int64_t capacity = p.max_blocks_per_seq > (int64_t(1) << 62) / p.block_size
-                               ? int64_t(1) << 62
-                               : p.max_blocks_per_seq * p.block_size;
   return make_key(decode, p.num_sms, p.dtype, p.cache_dtype, p.head_size, p.num_heads, p.num_kv_heads, p.block_size,
-                  p.k_stride_head > p.k_stride_token, p.num_seqs, decode ? capacity : p.max_seqlen_q);
+                  p.k_stride_head > p.k_stride_token, p.num_seqs,
+                  decode ? capacity_tokens(p.max_blocks_per_seq, p.block_size) : p.max_seqlen_q);
 }
 
 inline uint64_t hash_key(const Key& k) {
@@ -233,12 +236,10 @@ inline std::vector<int64_t> tuning_key(const at::Tensor& query, const at::Tensor
   int sms = 0;
   if (query.is_cuda() && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.get_device()) != cudaSuccess)
     sms = 0;
-  const int64_t capacity = block_tables.size(1) > (int64_t(1) << 62) / block_size ? int64_t(1) << 62
-                                                                                 : block_tables.size(1) * block_size;
   const Key k = make_key(decode, sms, paged::binding::dtype_code(query.scalar_type()),
                          paged::binding::dtype_code(key_cache.scalar_type()), query.size(2), num_heads, num_kv_heads,
                          block_size, key_cache.stride(2) > key_cache.stride(1), block_tables.size(0),
-                         decode ? capacity : max_seqlen_q);
+                         decode ? capacity_tokens(block_tables.size(1), block_size) : max_seqlen_q);
   return std::vector<int64_t>(k.begin(), k.end());
 }
 
