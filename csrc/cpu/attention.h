@@ -41,41 +41,16 @@
 
 #include "bf16_dot.h"
 #include "decode_dot.h"
+#include "kernels/params.h"
 #include "vec16.h"
 #include "vec8.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 
-struct AttentionParams {
-  void* out;          // [total_q, num_heads, head_size]
-  const void* query;  // [total_q, num_heads, head_size]
-  int64_t q_stride_token, q_stride_head, o_stride_token, o_stride_head;
-  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size] by strides
-  const void* value_cache;
-  int64_t k_stride_block, k_stride_token, k_stride_head;
-  int64_t v_stride_block, v_stride_token, v_stride_head;
-  const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq]
-  int64_t max_blocks_per_seq;
-  const int32_t* cu_seqlens_q;  // [num_seqs + 1]
-  const int32_t* seq_lens;      // [num_seqs]
-  // fp8 scales (nullptr: none): the scale of (sequence s, KV head h) is
-  // scale[s * seq_stride + h * head_stride] (paged::scale_strides: per tensor, per KV head, per
-  // sequence and KV head), K and V each in their own form.
-  const float* k_scale;
-  const float* v_scale;
-  int64_t k_scale_seq_stride, k_scale_head_stride, v_scale_seq_stride, v_scale_head_stride;
-  int64_t num_seqs, num_heads, num_kv_heads, head_size, block_size;
-  float scale;
-  bool causal;
-  // Variants (paged::AttentionVariants): softcap 0 = none, window_left / window_right -1 = none,
-  // null = absent.
-  float softcap;
-  int64_t window_left, window_right;
-  const float* sinks;         // [num_heads]
-  const float* alibi_slopes;  // [num_heads]
-  float* lse;                 // out: [total_q, num_heads], contiguous
-  bool batch_invariant;
-};
+// The core takes paged::AttentionParams (kernels/params.h), the struct of every C++ backend. Of its
+// fields it leaves the GPU's launch sizing (num_sms, max_seqlen_q) alone: the plan here counts the
+// rows itself. The element types come as template arguments (paged_attention<QT, CT>), chosen by
+// the caller from dtype / cache_dtype.
 
 inline constexpr int kTileTokens = 32;  // a multiple of 8: softmax runs on whole vectors
 // Below this many tasks per thread a long sequence is split; splits never get shorter than this.
@@ -567,7 +542,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
 
   const CT* kc = static_cast<const CT*>(p.key_cache);
   const CT* vc = static_cast<const CT*>(p.value_cache);
-  const int32_t* table = p.block_tables + t.seq * p.max_blocks_per_seq;
+  const int32_t* table = p.block_tables + t.seq * p.block_table_stride;
   const CT* k_tokens[2][kTileTokens];  // each token's head-0 row, for this tile and the next
   const CT* v_tokens[2][kTileTokens];
   using Exact = typename CacheRead<CT>::Exact;

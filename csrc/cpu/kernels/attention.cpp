@@ -15,6 +15,18 @@
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 namespace {
 
+// The dtypes the public op validated, as params.h codes.
+DType dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    case at::kFloat8_e4m3fn: return DType::E4M3;
+    case at::kFloat8_e5m2: return DType::E5M2;
+    default: TORCH_CHECK(false, "paged cpu attention: unsupported dtype ", t);
+  }
+}
+
 template <typename QT>
 void dispatch_cache(const AttentionParams& p, at::ScalarType cache_dtype) {
   switch (cache_dtype) {
@@ -37,7 +49,7 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
   p.k_stride_block = key_cache.stride(0), p.k_stride_token = key_cache.stride(1), p.k_stride_head = key_cache.stride(2);
   p.v_stride_block = value_cache.stride(0), p.v_stride_token = value_cache.stride(1), p.v_stride_head = value_cache.stride(2);
   p.block_tables = block_tables.data_ptr<int32_t>();
-  p.max_blocks_per_seq = block_tables.size(1);
+  p.max_blocks_per_seq = block_tables.size(1), p.block_table_stride = block_tables.stride(0);
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.k_scale = k_scale ? k_scale->data_ptr<float>() : nullptr;
@@ -46,7 +58,9 @@ void run(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor
   const ScaleStrides k_strides = scale_strides(k_scale), v_strides = scale_strides(v_scale);
   p.k_scale_seq_stride = k_strides.seq_stride, p.k_scale_head_stride = k_strides.head_stride;
   p.v_scale_seq_stride = v_strides.seq_stride, p.v_scale_head_stride = v_strides.head_stride;
+  p.dtype = dtype_code(query.scalar_type()), p.cache_dtype = dtype_code(key_cache.scalar_type());
   p.num_seqs = seq_lens.size(0);
+  p.num_tokens = query.size(0);
   p.num_heads = query.size(1);
   p.num_kv_heads = key_cache.size(2);
   p.head_size = query.size(2);
