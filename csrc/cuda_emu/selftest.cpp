@@ -5,6 +5,14 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "attention_rules.h"
+
 #include "emu/cuda_emu.h"  // after torch: its macros (threadIdx, __shared__, ...) must not reach torch
 #define PAGED_KERNEL_NS paged_cuda_emu_selftest_impl
 #include "kernels/mma.cuh"
@@ -448,6 +456,131 @@ void misuse(const std::string& what) {
   else TORCH_CHECK(false, "unknown misuse case ", what);
 }
 
+
+// ---- the shared rules (csrc/attention_rules.h) against their definition ------------------------
+// paged_ops/reference.py attention: the per-key visibility test, and the row's log-sum-exp over
+// its scores and sink computed in long double. Raises on the first rule broken.
+bool same_bits(double a, double b) { return std::memcmp(&a, &b, sizeof a) == 0 || (a != a && b != b); }
+bool same_bits(float a, float b) { return std::memcmp(&a, &b, sizeof a) == 0 || (a != a && b != b); }
+
+void check_visible_keys() {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  const int64_t windows[] = {-1, 0, 1, 2, 7, kMax - 1, kMax};
+  for (int64_t kv_len = 0; kv_len <= 6; ++kv_len)
+    // Rows of q_len up to 9 (pos = kv_len - q_len + i), and positions past the last key too.
+    for (int64_t pos = kv_len - 9; pos < kv_len + 3; ++pos)
+      for (int causal = 0; causal < 2; ++causal)
+        for (int64_t wl : windows)
+          for (int64_t wr : windows) {
+            const paged::KeyRange<int64_t> r = paged::visible_keys(pos, kv_len, causal, wl, wr);
+            TORCH_CHECK(r.lo >= 0 && r.hi <= kv_len, "visible_keys out of [0, kv_len): ", r.lo, " ", r.hi);
+            const paged::KeyRange<int> r32 = paged::visible_keys(int(pos), int(kv_len), causal, wl, wr);
+            TORCH_CHECK(r32.lo == r.lo && r32.hi == r.hi, "visible_keys on int positions differs at pos ", pos);
+            for (int64_t j = -2; j < kv_len + 2; ++j) {
+              const bool want = j >= 0 && j < kv_len && (!causal || j <= pos) &&
+                                (wl < 0 || __int128(j) >= __int128(pos) - wl) &&
+                                (wr < 0 || __int128(j) <= __int128(pos) + wr);
+              TORCH_CHECK(r.contains(j) == want && r.empty() == (r.lo >= r.hi), "visible_keys(pos ", pos,
+                          ", kv_len ", kv_len, ", causal ", causal, ", window ", wl, " / ", wr, ") at key ", j);
+            }
+          }
+  // Sums that would overflow int64: windows of INT64_MAX around positions far from 0.
+  const int64_t big = int64_t(1) << 62;
+  auto is = [](paged::KeyRange<int64_t> r, int64_t lo, int64_t hi) { return r.lo == lo && r.hi == hi; };
+  TORCH_CHECK(is(paged::visible_keys(big - 1, big, false, kMax, kMax), 0, big), "INT64_MAX windows at 2^62");
+  TORCH_CHECK(is(paged::visible_keys(big - 1, big, true, kMax, kMax), 0, big), "causal INT64_MAX window at 2^62");
+  TORCH_CHECK(is(paged::visible_keys(big - 1, big, false, 5, 3), big - 6, big), "window 5 / 3 at 2^62");
+  TORCH_CHECK(paged::visible_keys(-big, int64_t(10), false, kMax, 3).empty(), "window_right 3 at -2^62: none");
+  TORCH_CHECK(is(paged::visible_keys(-big, int64_t(10), false, kMax, kMax), 0, 10), "INT64_MAX windows at -2^62");
+  TORCH_CHECK(paged::visible_keys(-big, int64_t(10), true, kMax, kMax).empty(), "causal at -2^62 sees nothing");
+  // int positions (the CUDA kernels): windows still int64, no int overflow near INT_MAX.
+  constexpr int kIntMax = std::numeric_limits<int>::max();
+  const paged::KeyRange<int> ri = paged::visible_keys(kIntMax - 1, kIntMax, false, kMax, kMax);
+  TORCH_CHECK(ri.lo == 0 && ri.hi == kIntMax, "int positions: INT64_MAX windows at INT_MAX - 1");
+  const paged::KeyRange<int> rn = paged::visible_keys(-kIntMax, kIntMax, false, 2, kMax - 1);
+  TORCH_CHECK(rn.lo == 0 && rn.hi == kIntMax, "int positions: kv_len - pos past INT_MAX");
+  const paged::KeyRange<int> rw = paged::visible_keys(kIntMax - 3, kIntMax, false, 1, 1);
+  TORCH_CHECK(rw.lo == kIntMax - 4 && rw.hi == kIntMax - 1, "int positions: window 1 / 1 at INT_MAX - 3");
+}
+
+// The row of natural-log scores `scores` (-inf: masked) in Base's arithmetic, as a kernel keeps it:
+// running max m and sum l of b^(x - m), x the score in base b.
+template <typename Base, typename F = typename Base::F>
+void row_state(const std::vector<double>& scores, F& m, F& l) {
+  m = -F(INFINITY);
+  l = F(0);
+  for (double s : scores) m = std::fmax(m, Base::from_ln(F(s)));
+  for (double s : scores) {
+    const F x = Base::from_ln(F(s));
+    if (x == -F(INFINITY)) continue;
+    l += m == -F(INFINITY) ? F(0) : Base::exp(x - m);
+  }
+}
+
+template <typename Base, typename F = typename Base::F>
+void check_end_row(const char* base) {
+  const F inf = F(INFINITY), nan = F(NAN);
+  auto end = [](F m, F l, F sink, F num = F(1)) { return paged::end_row<Base>(m, l, sink, num); };
+  // Rows with nothing to weigh (no key, or only -inf scores): out 0, lse -inf or the sink exactly.
+  const paged::RowEnd<F> none = end(-inf, F(0), -inf);
+  TORCH_CHECK(none.mul == F(0) && none.lse == -inf, base, ": an empty row without a sink is 0 / -inf");
+  const float finite_sinks[] = {-0.45f, -0.9f, 0.f, 1.f, 88.f, -3e38f, 3e38f, 3.4e38f};
+  for (float sink : finite_sinks) {
+    const paged::RowEnd<F> e = end(-inf, F(0), F(sink), F(2));
+    TORCH_CHECK(e.mul == F(0) && same_bits(e.lse, F(sink)), base, ": an empty row with sink ", sink,
+                " is out 0, lse the sink exactly (got ", e.lse, ")");
+  }
+  const paged::RowEnd<F> empty_inf = end(-inf, F(0), inf), empty_nan = end(-inf, F(0), nan);
+  TORCH_CHECK(empty_inf.mul == F(0) && empty_inf.lse == inf, base, ": an empty row with sink +inf is 0 / +inf");
+  TORCH_CHECK(empty_nan.mul != empty_nan.mul && empty_nan.lse != empty_nan.lse, base,
+              ": an empty row with a NaN sink is NaN");
+  // A sink of -inf is no sink, bit for bit; +inf zeroes a finite row (lse +inf); NaN sinks and
+  // NaN rows are NaN.
+  const F m = Base::from_ln(F(1.25)), l = F(3.5);
+  const paged::RowEnd<F> plain = end(m, l, -inf), pinf = end(m, l, inf), pnan = end(m, l, nan);
+  TORCH_CHECK(same_bits(plain.mul, Base::ratio(F(1), l)) && same_bits(plain.lse, Base::to_ln(m + Base::log(l))),
+              base, ": sink -inf is no sink");
+  TORCH_CHECK(pinf.mul == F(0) && pinf.lse == inf, base, ": sink +inf gives out 0, lse +inf");
+  TORCH_CHECK(pnan.mul != pnan.mul && pnan.lse != pnan.lse, base, ": a NaN sink makes the row NaN");
+  for (F sink : {-inf, F(0.5), F(40.f)}) {
+    const paged::RowEnd<F> e = end(m, nan, sink);
+    TORCH_CHECK(e.mul != e.mul && e.lse != e.lse, base, ": a NaN row stays NaN with sink ", sink);
+  }
+  // A sink too large for base 2 in fp32 (3e38 log2 e overflows) dominates a finite row; one too
+  // small vanishes.
+  const paged::RowEnd<F> huge = end(m, l, F(3e38f)), tiny = end(m, l, F(-3e38f));
+  TORCH_CHECK(huge.mul == F(0) && same_bits(huge.lse, F(3e38f)), base, ": sink 3e38 dominates");
+  TORCH_CHECK(same_bits(tiny.mul, plain.mul) && same_bits(tiny.lse, plain.lse), base, ": sink -3e38 vanishes");
+  // The multiplier and lse against the reference's log-sum-exp over the row's scores and sink.
+  const std::vector<std::vector<double>> rows = {
+      {0.5}, {-3.0, 2.0, 1.0}, {10.0, 10.0, -INFINITY}, {-INFINITY, -20.0}, {60.0, -60.0, 0.0}, {}, {-INFINITY}};
+  const double sinks[] = {-INFINITY, -30.0, -1.0, 0.0, 2.0, 9.99, 10.0, 70.0};
+  for (const std::vector<double>& scores : rows)
+    for (double sink : sinks)
+      for (F num : {F(1), F(0.75)}) {
+        F mr, lr;
+        row_state<Base>(scores, mr, lr);
+        const paged::RowEnd<F> e = end(mr, lr, F(sink), num);
+        // out = acc * mul with acc = sum b^(x - m) v: mul = num b^m / Z.
+        long double z = sink == -INFINITY ? 0.0L : std::exp((long double)sink);
+        for (double s : scores) z += std::exp((long double)s);
+        const long double lse = std::log(z);
+        const long double scale_m = mr == -inf ? 0.0L : std::exp((long double)Base::to_ln(mr));
+        const long double mul = z == 0.0L ? 0.0L : num * scale_m / z;
+        const bool ok_lse = lse == -INFINITY ? e.lse == -inf
+                                              : std::fabs((long double)e.lse - lse) <= 1e-5L * (1 + std::fabs(lse));
+        TORCH_CHECK(ok_lse && std::fabs((long double)e.mul - mul) <= 1e-5L * mul, base, ": row of ", scores.size(),
+                    " scores with sink ", sink, ": mul ", double(e.mul), " lse ", double(e.lse), ", want ",
+                    double(mul), " ", double(lse));
+      }
+}
+
+void attention_rules() {
+  check_visible_keys();
+  check_end_row<paged::Base2F32>("Base2F32");
+  check_end_row<paged::BaseEF64>("BaseEF64");
+}
+
 }  // namespace
 
 // A fragment of the test namespace (csrc/cuda_emu/ops.cpp defines it): test-only ops live apart from the backend.
@@ -460,4 +593,5 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("mma_ptx(Tensor A, Tensor B, int mutation) -> Tensor[]", &mma_ptx);
   m.def("strict(str what) -> Tensor", &strict);
   m.def("set_schedule(str mode) -> ()", &set_schedule);
+  m.def("attention_rules() -> ()", &attention_rules);
 }
