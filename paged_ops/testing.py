@@ -32,7 +32,7 @@ from . import reference
 __all__ = ["TOLERANCE", "FP8_DTYPES", "GARBAGE_BLOCK_ID", "SCALE_KINDS", "rel_err", "assert_close", "assert_lse_close",
            "assert_bits_equal", "bits", "poison", "nan_like", "empty_cache", "random_tensor", "fp8_scales",
            "sequence_scale",
-           "ragged_lens", "alibi_slopes", "make_variants", "PagedCase", "make_case"]
+           "ragged_lens", "alibi_slopes", "make_variants", "PagedCase", "make_case", "cuda_targets"]
 
 # Relative L2 error of an output against the float64 reference, by the query dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
@@ -437,3 +437,16 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
     return PagedCase(query=query, key_cache=kc, value_cache=vc, block_tables=to(block_tables),
                      seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu),
                      k_scale=to(k_scale), v_scale=to(v_scale), scale=head_size ** -0.5, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- where the CUDA kernels run
+
+def cuda_targets() -> list[str]:
+    """Where this process can launch the CUDA kernels (csrc/kernels): "emu", the CPU emulator
+    (backend cuda_emu, built where CUDA's headers are), then "cuda:N" for each GPU when the cuda
+    backend is built (nvcc and a CUDA torch). Empty when neither is."""
+    from . import available_backends
+    backends = available_backends()
+    emu = ["emu"] if "cuda_emu" in backends else []
+    gpus = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if "cuda" in backends and torch.cuda.is_available() else []
+    return emu + gpus

@@ -11,7 +11,7 @@ from paged_ops import reference
 from torch.library import opcheck  # noqa: F401  (public entry point; utils list below)
 from torch.testing._internal.optests.generate_tests import DEFAULT_TEST_UTILS
 
-from tests.helpers import FP8, assert_close, empty_cache, make_case, nan_like
+from paged_ops.testing import FP8_DTYPES, assert_close, empty_cache, make_case, make_variants, nan_like, poison
 
 
 def small_case(**kw):
@@ -55,7 +55,7 @@ def op_samples():
 @pytest.mark.parametrize("op", paged_ops.OPS)
 def test_opcheck(op):
     for args in op_samples()[op]:
-        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype in FP8 for a in args)
+        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES for a in args)
         # opcheck's schema test compares tensors with arithmetic torch lacks for fp8 dtypes
         # ("mul_cpu_reduced_float" not implemented); fp8 samples run every other opcheck test,
         # and the same ops' schemas are checked on the float samples.
@@ -556,8 +556,6 @@ def test_torch_compile_dynamic_batch_and_max_seqlen_q_recompiles_at_most_once():
 
 # --- the attention variants (#13): opcheck, torch.compile, bad input -------------------------
 
-from paged_ops.testing import make_variants, poison  # noqa: E402
-
 
 def variant_samples():
     """decode/prefill with variants (every variant, the mutable optional lse among them) and
@@ -583,7 +581,7 @@ def variant_samples():
 @pytest.mark.parametrize("op", ["decode_attention", "prefill_attention", "merge_attention_states"])
 def test_opcheck_variants(op):
     for args, kwargs in variant_samples()[op]:
-        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype in FP8 for a in args)
+        has_fp8 = any(isinstance(a, torch.Tensor) and a.dtype in FP8_DTYPES for a in args)
         utils = [u for u in DEFAULT_TEST_UTILS if not (has_fp8 and u == "test_schema")]
         torch.library.opcheck(getattr(torch.ops.paged, op).default, args, kwargs, test_utils=utils)
 
@@ -740,36 +738,6 @@ def test_reference_merge_ignores_the_out_of_a_side_at_minus_inf():
 # --- the batch-invariant mode's API (#13 item 3) ---------------------------------------------
 
 
-@pytest.fixture
-def mode_seen(monkeypatch):
-    """Calls of backend 'triton' go to a spy that records the batch_invariant flag its kernel was
-    handed (the public op's effective mode), in place of the Triton kernels (a module stand-in,
-    so the test needs neither triton nor any backend's kernels to take the mode)."""
-    import types
-
-    from paged_ops import backends
-
-    seen = []
-    # The kernel takes every schema argument positionally; find batch_invariant by its name.
-    position = {op: [a.name for a in getattr(torch.ops.paged, op).default._schema.arguments].index("batch_invariant")
-                for op in ("decode_attention", "prefill_attention")}
-    fake = types.SimpleNamespace(
-        DEVICES=("cpu", "cuda"), is_available=lambda: True,
-        decode_attention=lambda *args: seen.append(("decode", args[position["decode_attention"]])),
-        prefill_attention=lambda *args: seen.append(("prefill", args[position["prefill_attention"]])))
-    monkeypatch.setattr(backends, "_triton", lambda: fake)
-    monkeypatch.setattr(backends, "_is_available", lambda name: True)
-    monkeypatch.delenv("PAGED_OPS_BATCH_INVARIANT", raising=False)
-    c = small_case()
-    ops = backends.Backend("triton")
-
-    def call(**kw):
-        ops.prefill_attention(*c.prefill_args(nan_like(c.query)), **kw)
-        return seen.pop()[1]
-
-    return call
-
-
 def test_batch_invariant_context_manager_nests(mode_seen):
     assert mode_seen() is False
     assert mode_seen(batch_invariant=True) is True
@@ -824,7 +792,7 @@ def test_batch_invariant_reaches_decode(mode_seen, monkeypatch):
     from paged_ops import backends
 
     seen = []
-    monkeypatch.setattr(backends._triton(), "decode_attention", lambda *args: seen.append(args[-2]))  # batch_invariant
+    monkeypatch.setattr(backends._module("triton"), "decode_attention", lambda *args: seen.append(args[-2]))  # batch_invariant
     d = decode_case()
     with paged_ops.batch_invariant():
         backends.Backend("triton").decode_attention(*d.decode_args(nan_like(d.query)))
@@ -838,7 +806,7 @@ def test_batch_invariant_around_a_compiled_call(mode_seen):
     from paged_ops import backends
 
     seen = []
-    backends._triton().prefill_attention = lambda *args: seen.append(args[-2])  # batch_invariant (window_right last)
+    backends._module("triton").prefill_attention = lambda *args: seen.append(args[-2])  # batch_invariant (window_right last)
     c = small_case()
 
     def step(query):

@@ -24,10 +24,7 @@ def device_of(name: str) -> str:
     return "cuda" if torch.cuda.is_available() and "cuda" in paged_ops.backend(name).devices else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def _untuned_configs(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
+pytestmark = pytest.mark.usefixtures("untuned_configs")
 
 
 def params(*axes):

@@ -37,13 +37,6 @@ pytestmark = pytest.mark.skipif("amx_emulated" not in ops.supported_isas(),
                                 reason="no AVX-512 BF16 here: the AMX model's build does not run")
 
 
-@pytest.fixture
-def amx():
-    previous = ops.set_isa("amx_emulated")
-    yield
-    ops.set_isa(previous)
-
-
 def run(case, causal, kw, decode=False):
     """out, lse and the number of TDPBF16PS the call ran."""
     out, lse = nan_like(case.query), poison(torch.empty(case.query.shape[:2]))
@@ -59,12 +52,11 @@ def ref_rows(case, causal, kw, decode=False):
     return case.reference_decode_lse(**kw) if decode else case.reference_prefill_lse(causal, **kw)
 
 
-
 # --- attention on the tiles ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_head_sizes_and_tails(amx, head_size, causal):
+def test_prefill_head_sizes_and_tails(amx_isa, head_size, causal):
     # Sequences ending mid-tile (odd lengths), a chunk after cached tokens, a decode row; block 16.
     # Rows per KV head and task: MHA 64 and 13 (77 tokens in tiles of 64), group 3: 63 (3 blocks of
     # 16 + 15 by vdpbf16ps), group 4: 64 and 52 (3 + 4). head 80 / 96: 8 / 0 column pairs left after
@@ -81,7 +73,7 @@ def test_prefill_head_sizes_and_tails(amx, head_size, causal):
 
 
 @pytest.mark.parametrize("head_size", [72, 120, 200])
-def test_prefill_odd_head_sizes(amx, head_size):
+def test_prefill_odd_head_sizes(amx_isa, head_size):
     # Column pairs left after the 16-pair steps: 72: 4, 120: 12, 200: 4 (100 pairs = 6 steps + 4).
     case = make_case([70, 40], q_lens=[70, 40], num_heads=8, num_kv_heads=2, head_size=head_size, block_size=16,
                      dtype=BF16, seed=head_size)
@@ -94,7 +86,7 @@ def test_prefill_odd_head_sizes(amx, head_size):
 
 @pytest.mark.parametrize("name", ["plain", "softcap", "window", "sinks", "alibi", "all"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_prefill_variants_with_lse(amx, name, causal):
+def test_prefill_variants_with_lse(amx_isa, name, causal):
     case = make_case([150, 129], q_lens=[150, 64], num_heads=16, num_kv_heads=2, head_size=96, block_size=16,
                      dtype=BF16, seed=7)
     kw = named_variants(16, name)
@@ -114,7 +106,7 @@ def test_prefill_variants_with_lse(amx, name, causal):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(32, 2), (40, 2), (64, 1)])
-def test_decode_of_large_groups(amx, heads, kv_heads):
+def test_decode_of_large_groups(amx_isa, heads, kv_heads):
     # A decode task's rows are its GQA group: 16 (one block), 20 (one + 4 by vdpbf16ps), 64.
     case = make_case([1000, 37, 300], num_heads=heads, num_kv_heads=kv_heads, head_size=128, block_size=16,
                      dtype=BF16, seed=heads)
@@ -128,7 +120,7 @@ def test_decode_of_large_groups(amx, heads, kv_heads):
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3fn", "e5m2"])
 @pytest.mark.parametrize("scale_kind", ["tensor", "head"])
-def test_fp8_caches_under_a_bf16_query(amx, fp8, scale_kind):
+def test_fp8_caches_under_a_bf16_query(amx_isa, fp8, scale_kind):
     # fp8 K/V widened to bf16 before the re-layout (bf16_dot.h), then the same tiles.
     case = make_case([150, 70], q_lens=[150, 70], num_heads=16, num_kv_heads=2, head_size=80, block_size=16,
                      dtype=BF16, cache_dtype=fp8, scale_kind=scale_kind, seed=13)
@@ -139,7 +131,7 @@ def test_fp8_caches_under_a_bf16_query(amx, fp8, scale_kind):
     assert_lse_close(lse, ref_lse, torch.float32)
 
 
-def test_nan_key_reaches_exactly_the_rows_that_see_it(amx):
+def test_nan_key_reaches_exactly_the_rows_that_see_it(amx_isa):
     case = make_case([96, 96], q_lens=[96, 96], num_heads=16, num_kv_heads=1, head_size=80, block_size=16,
                      dtype=BF16, seed=11)
     block = int(case.block_tables[1, 40 // 16])
@@ -152,7 +144,7 @@ def test_nan_key_reaches_exactly_the_rows_that_see_it(amx):
     assert_close(out[~nan_rows].view(-1, 80), ref[~nan_rows].view(-1, 80), BF16)
 
 
-def test_no_tiles_where_the_dot_path_is_off(amx):
+def test_no_tiles_where_the_dot_path_is_off(amx_isa):
     # Batch-invariant mode keeps one code path for decode and prefill rows (no dot path, no tiles),
     # and then the AMX build computes exactly what avx512_bf16 does; so does a task of < 16 rows.
     case = make_case([200, 70], q_lens=[200, 70], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
@@ -171,22 +163,17 @@ def test_no_tiles_where_the_dot_path_is_off(amx):
 
 
 @pytest.mark.parametrize("how", ["release", "foreign"])
-def test_other_code_on_the_tiles_between_calls(amx, how):
+def test_other_code_on_the_tiles_between_calls(amx_isa, two_threads, how):
     # torch's own AMX kernels (oneDNN) may release the tiles or load their configuration on the same
     # threads between two of our calls: each call configures again.
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        case = make_case([300, 250], q_lens=[300, 250], num_heads=8, num_kv_heads=2, head_size=80, block_size=16,
-                         dtype=BF16, seed=9)
-        ref, _ = ref_rows(case, True, {})
-        for _ in range(2):
-            out, _, dots = run(case, True, {})
-            assert dots > 0
-            assert_close(out, ref, BF16)
-            ops.amx_emulated_disturb(how)
-    finally:
-        torch.set_num_threads(before)
+    case = make_case([300, 250], q_lens=[300, 250], num_heads=8, num_kv_heads=2, head_size=80, block_size=16,
+                     dtype=BF16, seed=9)
+    ref, _ = ref_rows(case, True, {})
+    for _ in range(2):
+        out, _, dots = run(case, True, {})
+        assert dots > 0
+        assert_close(out, ref, BF16)
+        ops.amx_emulated_disturb(how)
 
 
 # --- the model itself ----------------------------------------------------------------------------

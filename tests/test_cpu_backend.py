@@ -233,24 +233,8 @@ def test_attention_all_minus_inf_keys_give_empty_rows_like_the_reference(seq_len
 # --- attention variants (#13): the cpu core's own paths ---------------------------------------
 # tests/test_ops.py holds the contract grid for every backend; here: the split-KV merge with the
 # variants, the window skipping unseen blocks, the batch-invariant mode's thread counts and its
-# two ways of folding chunks (in one task, or as tasks of their own merged after), on every ISA.
-
-ISAS = list(torch.ops.paged_cpu.supported_isas())
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    previous = torch.ops.paged_cpu.set_isa(request.param)
-    yield request.param
-    torch.ops.paged_cpu.set_isa(previous)
-
-
-@pytest.fixture
-def threads():
-    """Restores the thread count a test changes."""
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
+# two ways of folding chunks (in one task, or as tasks of their own merged after), on every ISA
+# (the isa fixture, tests/conftest.py).
 
 
 def variant_kwargs(num_heads, softcap=0.0, window_left=-1, sinks=False, alibi=False, seed=0):

@@ -26,13 +26,6 @@ pytestmark = pytest.mark.skipif("avx512_bf16" not in ops.supported_isas(),
                                 reason="this CPU has no AVX-512 BF16: the path is not built to run here")
 
 
-@pytest.fixture
-def bf16_isa():
-    previous = ops.set_isa("avx512_bf16")
-    yield
-    ops.set_isa(previous)
-
-
 def run(case, causal, kw, isa=None):
     out, lse = nan_like(case.query), poison(torch.empty(case.query.shape[:2]))
     previous = ops.set_isa(isa) if isa else None
@@ -46,7 +39,6 @@ def run(case, causal, kw, isa=None):
 
 def ref_rows(case, causal, kw):
     return case.reference_prefill_lse(causal, **kw)
-
 
 
 @pytest.mark.parametrize("head_size", [8, 40, 72, 128, 256])

@@ -17,7 +17,7 @@ from paged_ops import reference
 from paged_ops.testing import (assert_bits_equal, assert_close, assert_lse_close, make_case, nan_like, poison,
                                random_tensor)
 
-from .test_cpu_backend import isa, poison_outside, run_cpu, threads  # noqa: F401  (isa, threads: fixtures)
+from .test_cpu_backend import poison_outside, run_cpu
 
 cpu = paged_ops.backend("cpu")
 

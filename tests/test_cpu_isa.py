@@ -38,7 +38,8 @@ ops = torch.ops.paged_cpu
 ALL_ISAS = ("amx_emulated", "portable", "avx2", "avx512", "avx512_bf16", "amx")
 SUPPORTED = list(ops.supported_isas())
 ACTIVE = ops.isa()  # the best one, or PAGED_OPS_CPU_ISA's
-OTHERS = [i for i in SUPPORTED if i != ACTIVE]  # ACTIVE runs the full grids in test_ops / test_cpu_backend
+# The isa fixture's builds (tests/conftest.py): ACTIVE runs the full grids in test_ops / test_cpu_backend.
+CPU_ISAS = [i for i in SUPPORTED if i != ACTIVE]
 
 
 def cpu_flags() -> set[str]:
@@ -165,16 +166,6 @@ def test_set_isa_returns_the_previous_one():
 
 
 # --- the contract on every other ISA this machine runs ------------------------------------------
-
-@pytest.fixture(params=OTHERS)
-def isa(request):
-    previous = ops.set_isa(request.param)
-    try:
-        assert ops.isa() == request.param
-        yield request.param
-    finally:
-        ops.set_isa(previous)
-
 
 @pytest.mark.parametrize("case", op_cases.GRIDS["decode"]["small"], ids=lambda c: c.id)
 def test_decode_attention(isa, case):

@@ -14,13 +14,10 @@ import math
 import pytest
 import torch
 
-import paged_ops
 from paged_ops import reference
-from paged_ops.testing import assert_close, assert_lse_close, make_case, nan_like, poison
+from paged_ops.testing import assert_close, assert_lse_close, cuda_targets, make_case, nan_like, poison
 
-TARGETS = (["emu"] if "cuda_emu" in paged_ops.available_backends() else []) + (
-    [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if "cuda" in paged_ops.available_backends() and torch.cuda.is_available() else [])
+TARGETS = cuda_targets()  # the target fixture's values (tests/conftest.py)
 if not TARGETS:
     pytest.skip("neither the cuda_emu backend nor a GPU with the cuda backend", allow_module_level=True)
 
@@ -36,11 +33,6 @@ PREFILL_CONFIGS = {"tc": TC, "cuda_cores": CUDA_CORES, "cuda_cores_small": CUDA_
 ONE_PASS = [0, -1]        # partition_size < 0: never split
 SPLIT = [0, 16, 0, 1]     # partitions of 16 keys, always split
 DECODE_CONFIGS = {"one_pass": ONE_PASS, "split": SPLIT}
-
-
-@pytest.fixture(params=TARGETS)
-def target(request):
-    return request.param
 
 
 def ops(target):

@@ -8,7 +8,7 @@ by bench/device_check.sh next to tests/test_cuda_gpu.py (and under compute-sanit
   (24-byte fp8 rows: 8-byte staging copies);
 * one real cache over 2^31 elements (head-major, as the contract allows): reads and writes past
   2^31 elements through every attention and cache op;
-* the regression cases of tests/test_cuda_kernel_bugs.py on the GPU kernels.
+* the extreme-value cases of tests/test_cuda_extreme_values.py on the GPU kernels.
 
 Collected only with a GPU (parametrized over the CUDA devices; nothing to run, or skip, without one).
 """
@@ -19,7 +19,7 @@ import torch
 
 import paged_ops
 from paged_ops import reference
-from tests.helpers import FP8, assert_close, make_case, nan_like, poison
+from paged_ops.testing import FP8_DTYPES, assert_close, make_case, nan_like, poison
 
 DEVICES = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
@@ -105,7 +105,7 @@ def test_prefill_tensor_cores_head_sizes(device, head_size, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("cache_dtype", FP8_DTYPES)
 def test_fp8_head_24(device, cache_dtype):
     for group in (2, 16):
         case = to_device(make_case([1, 40, 129], num_heads=2 * group, num_kv_heads=2, head_size=24, block_size=16,
@@ -206,7 +206,7 @@ def test_sanitize_tensor_core_prefill(device):
     assert_close(out, case.reference_prefill(), torch.float16)
 
 
-# ---- the regression cases of tests/test_cuda_kernel_bugs.py on the GPU kernels -------------------
+# ---- the extreme-value cases of tests/test_cuda_extreme_values.py on the GPU kernels -------------
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cache_dtype,k_scale", [(torch.float8_e5m2, 2.0), (torch.float8_e4m3fn, 300.0)])

@@ -424,6 +424,32 @@ def test_prefill_launch_configs(launch_config, kv_tile, threads):
     check_prefill(case, causal=False, ops=ops)
 
 
+# ---- launch configuration: an explicit argument, not an environment variable (issue #10 item 5) ----
+
+def test_explicit_launch_config_reaches_the_kernels():
+    # A configuration the decode plan must reject proves the test op's config is what the plan sees.
+    case = make_case([20, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=2)
+    test_ops = torch.ops.paged_cuda_emu_test
+    with pytest.raises((RuntimeError, ValueError), match="threads"):
+        test_ops.decode_attention_config(*case.decode_args(nan_like(case.query)), [48])
+    with pytest.raises((RuntimeError, ValueError), match="threads"):
+        test_ops.prefill_attention_config(*case.prefill_args(nan_like(case.query)), [40, 0, 0, 0, -1])
+    # Forced split-KV with small partitions, and the one-pass kernel: both exact.
+    for config in ([0, 8, 0, 1, 0], [0, -1, 0, 0, 0]):
+        out = nan_like(case.query)
+        test_ops.decode_attention_config(*case.decode_args(out), config)
+        assert_close(out, case.reference_prefill(), case.dtype)
+
+
+def test_environment_is_not_a_launch_api(monkeypatch):
+    # PAGED_CUDA_CONFIG used to be parsed at every call (an unknown key raised); it is ignored now.
+    monkeypatch.setenv("PAGED_CUDA_CONFIG", "threads=48,bogus=1")
+    case = make_case([20, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=2)
+    out = nan_like(case.query)
+    emu.decode_attention(*case.decode_args(out))
+    assert_close(out, case.reference_prefill(), case.dtype)
+
+
 # ---- the emulator itself -----------------------------------------------------------------------
 @pytest.mark.parametrize("n", [32, 96, 100])
 def test_emu_block_votes(n):

@@ -18,14 +18,10 @@ import math
 import pytest
 import torch
 
-import paged_ops
 from paged_ops import reference
-from paged_ops.testing import assert_close, make_case, nan_like
+from paged_ops.testing import assert_close, cuda_targets, make_case, nan_like
 
-# The emulator is built only where CUDA's headers are; the GPU backend only with nvcc and a CUDA torch.
-TARGETS = (["emu"] if "cuda_emu" in paged_ops.available_backends() else []) + (
-    [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if "cuda" in paged_ops.available_backends() and torch.cuda.is_available() else [])
+TARGETS = cuda_targets()  # the target fixture's values (tests/conftest.py)
 if not TARGETS:
     pytest.skip("neither the cuda_emu backend nor a GPU with the cuda backend", allow_module_level=True)
 
@@ -52,11 +48,6 @@ def variant_tensors(num_heads: int, sinks: bool, alibi: bool, seed: int) -> dict
         slopes = torch.tensor([2.0 ** (-8.0 * (h + 1) / num_heads) for h in range(num_heads)])
         kw["alibi_slopes"] = slopes[torch.randperm(num_heads, generator=g)].float()
     return kw
-
-
-@pytest.fixture(params=TARGETS)
-def target(request):
-    return request.param
 
 
 def run(case, config, causal=True, target="emu", with_lse=True, **variants):

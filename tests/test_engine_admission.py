@@ -8,22 +8,12 @@ import torch
 import engine.llm_engine as llm_engine
 from engine import LLM, SamplingParams
 from engine.sampler import apply_penalties, apply_top_k_top_p, sample
-from tests.engine_fixtures import save_tiny_checkpoint
 
 VOCAB = 128  # save_tiny_checkpoint's
 MAX_NUM_SEQS = 4
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8], list(range(20, 31))]
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama"))
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return LLM(ckpt, num_kv_blocks=64, block_size=4, max_num_seqs=MAX_NUM_SEQS)
+LLM_ARGS = {"max_num_seqs": MAX_NUM_SEQS}  # the llm fixture's (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +84,12 @@ def test_n_forks_never_run_more_than_max_num_seqs(ckpt, pool):
     prompts = [PROMPTS[i % 3] for i in range(5)]
     params = [SamplingParams(n=n, temperature=1.0, top_k=20, seed=10 * i, max_tokens=6, ignore_eos=True)
               for i, n in enumerate([3, 3, 1, 2, MAX_NUM_SEQS])]
-    small = LLM(ckpt, block_size=4, max_num_seqs=MAX_NUM_SEQS, **pool)
+    small = LLM(ckpt(), block_size=4, max_num_seqs=MAX_NUM_SEQS, **pool)
     got, peak = run_steps(small, prompts, params)
     assert peak == MAX_NUM_SEQS  # capacity is used, never exceeded
     assert_all_free(small)
     # every sample draws from its own seeded generator: the same tokens as with room for all at once
-    roomy = LLM(ckpt, block_size=4, num_kv_blocks=256)
+    roomy = LLM(ckpt(), block_size=4, num_kv_blocks=256)
     assert got == run_steps(roomy, prompts, params)[0]
     assert [len(got[str(i)]) for i in range(5)] == [p.n for p in params]
 

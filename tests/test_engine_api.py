@@ -1,7 +1,6 @@
 """vLLM's offline API around the engine (#15 items 3-5): the step API (LLMEngine.add_request /
 step / has_unfinished_requests / abort_request), LLM's arguments (dtype="auto", max_model_len,
 tokenizer, seed, swap_space, string request ids), get_tokenizer / chat, and the CLI."""
-import functools
 import json
 import shutil
 
@@ -9,23 +8,10 @@ import pytest
 import torch
 
 from engine import LLM, LLMEngine, SamplingParams
-from tests.engine_fixtures import save_tiny_checkpoint
 
 PROMPTS = [[5, 9], [3, 1, 4, 1, 5, 9, 2, 6], list(range(20, 37))]
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    @functools.cache
-    def get(arch, tokenizer=True):
-        return save_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, with_tokenizer=tokenizer)
-    return get
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return LLM(ckpt("llama"), block_size=4, num_kv_blocks=64)
+LLM_TOKENIZER = True  # the llm fixture's checkpoint (tests/conftest.py)
 
 
 def assert_all_free(llm):
@@ -119,18 +105,18 @@ def test_dtype_auto_follows_vllm(tmp_path, saved, expected):
 
 
 def test_max_model_len(ckpt):
-    llm = LLM(ckpt("llama"), num_kv_blocks=16, max_model_len=12)
+    llm = LLM(ckpt("llama", tokenizer=True), num_kv_blocks=16, max_model_len=12)
     outs = llm.generate([PROMPTS[1], list(range(13))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
     assert len(outs[0].outputs[0].token_ids) == 12 - 8 and outs[0].outputs[0].finish_reason == "length"
     assert "maximum length 12" in str(outs[1].error)
     with pytest.raises(ValueError, match="max_model_len"):
-        LLM(ckpt("llama"), num_kv_blocks=16, max_model_len=513)  # max_position_embeddings is 512
+        LLM(ckpt("llama", tokenizer=True), num_kv_blocks=16, max_model_len=513)  # max_position_embeddings is 512
 
 
 def test_tokenizer_from_another_directory(ckpt):
-    qwen = ckpt("qwen2", tokenizer=False)
+    qwen = ckpt("qwen2")
     assert LLM(qwen, num_kv_blocks=16).get_tokenizer() is None
-    llm = LLM(qwen, num_kv_blocks=16, tokenizer=ckpt("llama"))
+    llm = LLM(qwen, num_kv_blocks=16, tokenizer=ckpt("llama", tokenizer=True))
     o = llm.generate("hello", GREEDY)[0]
     assert o.prompt_token_ids == llm.get_tokenizer()("hello")["input_ids"]
     assert o.outputs[0].text == llm.get_tokenizer().decode(o.outputs[0].token_ids, skip_special_tokens=True)
@@ -140,16 +126,16 @@ def test_tokenizer_from_another_directory(ckpt):
 
 def test_seed_makes_unseeded_requests_reproducible(ckpt):
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
-    run = lambda seed: tokens(LLM(ckpt("llama"), num_kv_blocks=32, seed=seed).generate(PROMPTS, params))  # noqa
+    run = lambda seed: tokens(LLM(ckpt("llama", tokenizer=True), num_kv_blocks=32, seed=seed).generate(PROMPTS, params))  # noqa
     assert run(3) == run(3) != run(4)
 
 
 def test_swap_space_is_gib(ckpt):
-    llm = LLM(ckpt("llama"), num_kv_blocks=16, preemption_mode="swap", swap_space=0.001)
+    llm = LLM(ckpt("llama", tokenizer=True), num_kv_blocks=16, preemption_mode="swap", swap_space=0.001)
     assert llm.runner.num_cpu_blocks == int(0.001 * (1 << 30)) // llm.runner.bytes_per_block > 0
-    assert LLM(ckpt("llama"), num_kv_blocks=16, swap_space=0.001).runner.num_cpu_blocks == 0  # recompute mode
+    assert LLM(ckpt("llama", tokenizer=True), num_kv_blocks=16, swap_space=0.001).runner.num_cpu_blocks == 0  # recompute mode
     with pytest.raises(ValueError, match="swap_space"):
-        LLM(ckpt("llama"), num_kv_blocks=16, swap_space=-1)
+        LLM(ckpt("llama", tokenizer=True), num_kv_blocks=16, swap_space=-1)
 
 
 def test_missing_model_directory_says_so(tmp_path):
@@ -159,7 +145,7 @@ def test_missing_model_directory_says_so(tmp_path):
 
 def test_chat_uses_the_chat_template(ckpt, tmp_path):
     from transformers import AutoTokenizer
-    model = shutil.copytree(ckpt("llama"), tmp_path / "chat")
+    model = shutil.copytree(ckpt("llama", tokenizer=True), tmp_path / "chat")
     with pytest.raises(ValueError, match="chat template"):
         LLM(str(model), num_kv_blocks=16).chat([{"role": "user", "content": "hi"}], GREEDY)
     tok = AutoTokenizer.from_pretrained(model)
@@ -178,7 +164,7 @@ def test_chat_uses_the_chat_template(ckpt, tmp_path):
 # ---- CLI -----------------------------------------------------------------------------
 def test_cli_generate_echoes_prompts(ckpt, capsys):
     from engine.__main__ import main
-    main(["generate", "--model", ckpt("llama"), "--prompt", "3,1,4", "--prompt-token-ids", "3,1,4,1,5",
+    main(["generate", "--model", ckpt("llama", tokenizer=True), "--prompt", "3,1,4", "--prompt-token-ids", "3,1,4,1,5",
           "--max-tokens", "3", "--num-kv-blocks", "32", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
           "--seed", "1", "--logprobs", "2"])
     out = capsys.readouterr().out
@@ -189,12 +175,12 @@ def test_cli_generate_echoes_prompts(ckpt, capsys):
 
 def test_cli_json(ckpt, capsys):
     from engine.__main__ import main
-    main(["generate", "--model", ckpt("llama"), "--prompt", "hello", "--prompt-token-ids", "5,9",
+    main(["generate", "--model", ckpt("llama", tokenizer=True), "--prompt", "hello", "--prompt-token-ids", "5,9",
           "--max-tokens", "4", "--num-kv-blocks", "32", "--logprobs", "1", "--json"])
     lines = capsys.readouterr().out.strip().splitlines()
     objs = [json.loads(line) for line in lines]
     assert [o["prompt"] for o in objs] == ["hello", None] and objs[1]["prompt_token_ids"] == [5, 9]
-    llm = LLM(ckpt("llama"), num_kv_blocks=32)
+    llm = LLM(ckpt("llama", tokenizer=True), num_kv_blocks=32)
     expected = tokens(llm.generate(["hello", [5, 9]], SamplingParams(temperature=0, max_tokens=4)))
     assert [o["outputs"][0]["token_ids"] for o in objs] == expected
     assert all(len(o["outputs"][0]["logprobs"]) == 4 for o in objs)
@@ -206,7 +192,7 @@ def test_cli_errors(ckpt, tmp_path, capsys):
         main(["generate", "--model", str(tmp_path / "missing"), "--prompt", "hi"])
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["generate", "--model", ckpt("llama"), "--prompt", "hi", "--top-k", "-5"])
+        main(["generate", "--model", ckpt("llama", tokenizer=True), "--prompt", "hi", "--top-k", "-5"])
     assert "top_k" in capsys.readouterr().err
 
 
@@ -235,6 +221,6 @@ def test_readme_example_runs(ckpt, capsys):
     import re
     readme = (pathlib.Path(__file__).parent.parent / "engine" / "README.md").read_text()
     code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
-    exec(code.replace("path/to/local/hf/checkpoint", ckpt("llama")), {})
+    exec(code.replace("path/to/local/hf/checkpoint", ckpt("llama", tokenizer=True)), {})
     out = capsys.readouterr().out
     assert "tok/s" in out and "r1" in out

@@ -1,32 +1,18 @@
 """End to end: the engine's greedy outputs equal transformers' generate, token for token,
 under every scheduling regime; and every block is free again after each run."""
-import functools
 import random
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine_fixtures import hf_greedy, hf_greedy_fake_fp8, save_tiny_checkpoint
+from tests.engine_oracles import hf_greedy, hf_greedy_fake_fp8
 
 MAX_TOKENS = 8
 # lengths cross block boundaries for block_size 16; the last two share a 34-token prefix
 PROMPTS = [[5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(20, 37)),
            list(range(40, 74)) + [1, 2, 3], list(range(40, 74)) + [7, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    @functools.cache
-    def get(arch):
-        return save_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, with_tokenizer=arch == "llama")
-    return get
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return functools.cache(lambda arch: hf_greedy(ckpt(arch), PROMPTS, MAX_TOKENS))
 
 
 def assert_all_free(llm):
@@ -51,7 +37,7 @@ def tokens(outs):
 @pytest.mark.parametrize("arch, block_size", [("llama", 1), ("llama", 16), ("qwen2", 1), ("qwen2", 16),
                                               ("mistral", 16)])  # mistral is llama-shaped: one size
 def test_greedy_matches_transformers(ckpt, ref, arch, block_size, model_impl):
-    llm, outs = run(ckpt(arch), block_size=block_size, num_kv_blocks=512 // block_size, enable_prefix_caching=False,
+    llm, outs = run(ckpt(arch, tokenizer=arch == "llama"), block_size=block_size, num_kv_blocks=512 // block_size, enable_prefix_caching=False,
                     model_impl=model_impl)
     assert llm.runner.model_impl == model_impl
     assert tokens(outs) == ref(arch)
@@ -60,13 +46,13 @@ def test_greedy_matches_transformers(ckpt, ref, arch, block_size, model_impl):
 
 
 def test_prefix_caching_shared_prefixes(ckpt, ref):
-    llm, outs = run(ckpt("llama"), block_size=4, max_num_seqs=1)  # one at a time: later ones hit
+    llm, outs = run(ckpt("llama", tokenizer=True), block_size=4, max_num_seqs=1)  # one at a time: later ones hit
     assert tokens(outs) == ref("llama")
     assert llm.last_stats.prefix_cache_hits >= 32            # the 34-token shared prefix
     again = llm.generate(PROMPTS, GREEDY)                    # everything cached but the last token
     assert tokens(again) == ref("llama") and llm.last_stats.prefix_cache_hit_rate > 0.7
     assert_all_free(llm)
-    llm, outs = run(ckpt("llama"), block_size=4)            # all admitted in one step: hits still
+    llm, outs = run(ckpt("llama", tokenizer=True), block_size=4)            # all admitted in one step: hits still
     assert tokens(outs) == ref("llama") and llm.last_stats.prefix_cache_hits == 32
 
 
@@ -80,13 +66,13 @@ def test_chunked_prefill(ckpt, ref):
 def test_preemption(ckpt, ref, mode):
     # 10 blocks of 4 = 40 slots: the longest request (45 tokens with its output) alone
     # barely fits, so decodes keep evicting each other
-    llm, outs = run(ckpt("llama"), block_size=4, num_kv_blocks=12, preemption_mode=mode, num_cpu_blocks=64)
+    llm, outs = run(ckpt("llama", tokenizer=True), block_size=4, num_kv_blocks=12, preemption_mode=mode, num_cpu_blocks=64)
     assert tokens(outs) == ref("llama")
     assert llm.last_stats.preemptions[mode] > 0
 
 
 def test_parallel_sampling_greedy_shares_prompt_blocks(ckpt, ref):
-    llm, outs = run(ckpt("llama"), params=SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+    llm, outs = run(ckpt("llama", tokenizer=True), params=SamplingParams(n=3, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                     block_size=4)
     for o, expected in zip(outs, ref("llama")):
         assert [c.index for c in o.outputs] == [0, 1, 2]
@@ -94,7 +80,7 @@ def test_parallel_sampling_greedy_shares_prompt_blocks(ckpt, ref):
 
 
 def test_parallel_sampling_seeded_equals_separate_requests(ckpt):
-    model = ckpt("llama")
+    model = ckpt("llama", tokenizer=True)
     params = lambda n, seed: SamplingParams(n=n, temperature=1.0, top_k=20, top_p=0.9, seed=seed,
                                             max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = PROMPTS[2]  # 17 tokens: the forked samples share a partly filled block (CoW)
@@ -108,19 +94,19 @@ def test_parallel_sampling_seeded_equals_separate_requests(ckpt):
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
 def test_fp8_kv_cache(ckpt, ref, kv_cache_dtype):
-    llm, outs = run(ckpt("llama"), block_size=16, kv_cache_dtype=kv_cache_dtype)
+    llm, outs = run(ckpt("llama", tokenizer=True), block_size=16, kv_cache_dtype=kv_cache_dtype)
     kv = llm.runner.kv
     fp8 = kv.key_caches[0].dtype
     assert fp8 == {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     assert all(s is not None and s.dtype == torch.float32 for s in kv.k_scales + kv.v_scales)
     # exact: transformers on K/V rounded through fp8 with the same (first-prefill) scales
-    assert tokens(outs) == hf_greedy_fake_fp8(ckpt("llama"), PROMPTS, MAX_TOKENS, fp8, kv.k_scales, kv.v_scales)
+    assert tokens(outs) == hf_greedy_fake_fp8(ckpt("llama", tokenizer=True), PROMPTS, MAX_TOKENS, fp8, kv.k_scales, kv.v_scales)
     # and close to the fp32 cache. A tiny random model's logits are flat, so rounding K/V to 3 (e4m3)
     # or 2 (e5m2) mantissa bits flips some first tokens: count over 64 prompts, against a 1/128 chance
     rng = random.Random(0)
     prompts = [[rng.randrange(128) for _ in range(rng.randint(1, 40))] for _ in range(64)]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    first = lambda **kw: tokens(run(ckpt("llama"), prompts, one, num_kv_blocks=512, **kw)[1])  # noqa: E731
+    first = lambda **kw: tokens(run(ckpt("llama", tokenizer=True), prompts, one, num_kv_blocks=512, **kw)[1])  # noqa: E731
     agree = sum(a == b for a, b in zip(first(kv_cache_dtype=kv_cache_dtype), first()))
     assert agree >= {"fp8": 2 / 3, "fp8_e5m2": 1 / 2}[kv_cache_dtype] * len(prompts), agree
 
@@ -128,7 +114,7 @@ def test_fp8_kv_cache(ckpt, ref, kv_cache_dtype):
 def test_checkpoint_fp8_scales_are_used(ckpt, tmp_path):
     import shutil
     from safetensors.torch import save_file
-    model = shutil.copytree(ckpt("llama"), tmp_path / "ckpt")
+    model = shutil.copytree(ckpt("llama", tokenizer=True), tmp_path / "ckpt")
     scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.02 * (i + 1) * (2 if kv == "v" else 1))
               for i in range(2) for kv in "kv"}
     save_file(scales, model / "kv_scales.safetensors")  # not in the HF index: only the engine reads it
@@ -140,7 +126,7 @@ def test_checkpoint_fp8_scales_are_used(ckpt, tmp_path):
 
 
 def test_error_in_a_step_frees_everything(ckpt, ref, monkeypatch):
-    llm = LLM(ckpt("llama"), num_kv_blocks=64, block_size=4)
+    llm = LLM(ckpt("llama", tokenizer=True), num_kv_blocks=64, block_size=4)
     monkeypatch.setattr(llm.runner, "run", lambda out: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         llm.generate(PROMPTS, GREEDY)
@@ -151,7 +137,7 @@ def test_error_in_a_step_frees_everything(ckpt, ref, monkeypatch):
 
 def test_rejected_requests_do_not_block_others(ckpt, ref):
     too_long = list(range(10)) * 5          # 50 tokens > 12 blocks * 4 slots
-    llm, outs = run(ckpt("llama"), [PROMPTS[1], too_long, []], block_size=4, num_kv_blocks=12)
+    llm, outs = run(ckpt("llama", tokenizer=True), [PROMPTS[1], too_long, []], block_size=4, num_kv_blocks=12)
     assert tokens(outs[:1]) == ref("llama")[1:2]
     assert isinstance(outs[1].error, ValueError) and "KV pool" in str(outs[1].error) and outs[1].outputs == []
     assert isinstance(outs[2].error, ValueError)
@@ -168,7 +154,7 @@ def test_stops_and_text(ckpt, ref):
     stop = expected[3]
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[stop]),
               SamplingParams(temperature=0, max_tokens=3), GREEDY]
-    llm, outs = run(ckpt("llama"), [PROMPTS[1], {"prompt_token_ids": PROMPTS[1]}, "hello"], params, block_size=16)
+    llm, outs = run(ckpt("llama", tokenizer=True), [PROMPTS[1], {"prompt_token_ids": PROMPTS[1]}, "hello"], params, block_size=16)
     first = expected.index(stop)
     assert outs[0].outputs[0].token_ids == expected[:first + 1] and outs[0].outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].token_ids == expected[:3] and outs[1].outputs[0].finish_reason == "length"
@@ -194,7 +180,7 @@ def test_cli_demo(capsys):
 
 
 def test_bfloat16_runs_close_to_float32(ckpt, ref):
-    llm, outs = run(ckpt("llama"), dtype="bfloat16", block_size=16)
+    llm, outs = run(ckpt("llama", tokenizer=True), dtype="bfloat16", block_size=16)
     assert llm.runner.kv.key_caches[0].dtype == torch.bfloat16
     assert sum(t[0] == r[0] for t, r in zip(tokens(outs), ref("llama"))) >= len(PROMPTS) - 1
 
@@ -202,7 +188,7 @@ def test_bfloat16_runs_close_to_float32(ckpt, ref):
 def test_model_impl_auto_and_errors(ckpt, tmp_path):
     assert LLM(ckpt("qwen2"), num_kv_blocks=8).runner.model_impl == "native"
     with pytest.raises(ValueError, match="model_impl"):
-        LLM(ckpt("llama"), num_kv_blocks=8, model_impl="vllm")
+        LLM(ckpt("llama", tokenizer=True), num_kv_blocks=8, model_impl="vllm")
     # an architecture without a native implementation runs through transformers' modeling code
     from transformers import AutoModelForCausalLM, Phi3Config
     from engine.demo import TINY

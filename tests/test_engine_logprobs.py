@@ -13,26 +13,17 @@ Tolerances (absolute, on natural-log probabilities):
 - fp8 KV: compared with transformers on K/V rounded through fp8 with the engine's scales, so the
   rounding is the same on both sides: float32's tolerance.
 """
-import functools
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine_fixtures import hf_fake_fp8_model, hf_logprobs, hf_model, save_tiny_checkpoint
+from tests.engine_oracles import hf_fake_fp8_model, hf_logprobs, hf_model
 
 TOL = {torch.float32: 1e-4, torch.bfloat16: 0.25}
 PROMPTS = [[5, 9], [3, 1, 4, 1, 5, 9, 2, 6], list(range(20, 37)), list(range(40, 74)) + [1, 2, 3],
            list(range(40, 74)) + [7, 7]]
 K = 3
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    @functools.cache
-    def get(arch):
-        return save_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch)
-    return get
 
 
 def params(**kw):

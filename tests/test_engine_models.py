@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from engine.models.packed_linear import PackedLinear, can_pack, pack_linears
-from tests.helpers import TOLERANCE
+from paged_ops.testing import TOLERANCE
 
 
 def rel_l2(a, b):

@@ -8,37 +8,33 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
-from tests.engine_fixtures import hf_model, save_tiny_checkpoint
+from tests.engine_oracles import hf_model
 
 PROMPTS = [[5, 9], [3, 1, 4, 1, 5, 9, 2, 6], list(range(20, 37)), [40, 41, 42, 40, 41, 42, 40]]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return save_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama", with_tokenizer=True)
+# The llm fixture's (tests/conftest.py): stop strings need the tokenizer.
+LLM_TOKENIZER = True
+LLM_ARGS = {"num_kv_blocks": 128}
 
 
 @pytest.fixture(scope="module")
-def llm(ckpt):
-    return LLM(ckpt, block_size=4, num_kv_blocks=128)
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    model = hf_model(ckpt)
+def last_logits(ckpt):
+    """last_logits(ids): transformers' float64 logits of the token after ids (the oracle)."""
+    model = hf_model(ckpt("llama", tokenizer=True))
 
     @functools.lru_cache(maxsize=None)
-    def last_logits(ids: tuple) -> torch.Tensor:
+    def get(ids: tuple) -> torch.Tensor:
         with torch.inference_mode():
             return model(torch.tensor([ids])).logits[0, -1].double()
-    return last_logits
+    return get
 
 
-def oracle_greedy(ref, prompt, max_tokens, process=lambda logits, out: logits, stop=lambda out: False):
+def oracle_greedy(last_logits, prompt, max_tokens, process=lambda logits, out: logits, stop=lambda out: False):
     """Greedy decoding on transformers' logits, each step's logits passed through process."""
     out = []
     while len(out) < max_tokens and not (out and stop(out)):
-        out.append(int(process(ref(tuple(prompt + out)).clone(), out).argmax()))
+        out.append(int(process(last_logits(tuple(prompt + out)).clone(), out).argmax()))
     return out
 
 
@@ -58,18 +54,18 @@ def tokens(outs):
 @pytest.mark.parametrize("penalties", [dict(repetition_penalty=1.8), dict(repetition_penalty=0.6),
                                        dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
                                        dict(frequency_penalty=-0.7, presence_penalty=0.9, repetition_penalty=1.3)])
-def test_penalties_greedy(llm, ref, penalties):
+def test_penalties_greedy(llm, last_logits, penalties):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, **penalties)
     rename = dict(repetition_penalty="repetition", frequency_penalty="frequency", presence_penalty="presence")
     kw = {rename[k]: v for k, v in penalties.items()}
-    expected = [oracle_greedy(ref, p, 10, lambda logits, out, p=p: penalize(logits, p, out, **kw)) for p in PROMPTS]
+    expected = [oracle_greedy(last_logits, p, 10, lambda logits, out, p=p: penalize(logits, p, out, **kw)) for p in PROMPTS]
     assert tokens(llm.generate(PROMPTS, params)) == expected
-    plain = [oracle_greedy(ref, p, 10) for p in PROMPTS]
+    plain = [oracle_greedy(last_logits, p, 10) for p in PROMPTS]
     assert expected != plain  # the penalties changed something, so the test can fail
 
 
-def test_min_tokens_holds_back_stop_tokens(llm, ref):
-    plain = [oracle_greedy(ref, p, 12) for p in PROMPTS]
+def test_min_tokens_holds_back_stop_tokens(llm, last_logits):
+    plain = [oracle_greedy(last_logits, p, 12) for p in PROMPTS]
     for prompt, greedy in zip(PROMPTS, plain):
         stop = greedy[1]
         got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]))[0]
@@ -81,7 +77,7 @@ def test_min_tokens_holds_back_stop_tokens(llm, ref):
             if len(out) < 4:
                 logits[stop] = -torch.inf
             return logits
-        expected = oracle_greedy(ref, prompt, 12, ban, stop=lambda out: len(out) >= 4 and out[-1] == stop)
+        expected = oracle_greedy(last_logits, prompt, 12, ban, stop=lambda out: len(out) >= 4 and out[-1] == stop)
         assert got.token_ids == expected
         assert got.finish_reason == ("stop" if expected[-1] == stop and len(expected) >= 4 else "length")
 
@@ -102,7 +98,7 @@ def allowed(logits, temperature, top_k, top_p, min_p):
 
 @pytest.mark.parametrize("filters", [dict(min_p=0.2), dict(top_k=3), dict(top_p=0.5),
                                      dict(min_p=0.05, top_k=6, top_p=0.8)])
-def test_sampled_tokens_stay_in_the_filtered_set(llm, ref, filters):
+def test_sampled_tokens_stay_in_the_filtered_set(llm, last_logits, filters):
     filters = {"top_k": 0, "top_p": 1.0, "min_p": 0.0, **filters}
     params = [SamplingParams(temperature=1.3, max_tokens=8, ignore_eos=True, seed=s, **filters) for s in range(6)]
     outs = llm.generate(PROMPTS * 6, [p for p in params for _ in PROMPTS])
@@ -110,14 +106,14 @@ def test_sampled_tokens_stay_in_the_filtered_set(llm, ref, filters):
     for o in outs:
         out = o.outputs[0].token_ids
         for i, t in enumerate(out):
-            logits = ref(tuple(o.prompt_token_ids + out[:i]))
+            logits = last_logits(tuple(o.prompt_token_ids + out[:i]))
             assert t in allowed(logits, 1.3, **filters), (o.prompt_token_ids, out[:i + 1])
             seen_other_than_greedy |= t != int(logits.argmax())
     assert seen_other_than_greedy
 
 
-def test_filters_that_leave_one_token_are_greedy(llm, ref):
-    greedy = [oracle_greedy(ref, p, 6) for p in PROMPTS]
+def test_filters_that_leave_one_token_are_greedy(llm, last_logits):
+    greedy = [oracle_greedy(last_logits, p, 6) for p in PROMPTS]
     for f in (dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-6)):
         assert tokens(llm.generate(PROMPTS, SamplingParams(temperature=2.0, max_tokens=6, ignore_eos=True, **f))) == greedy
 
@@ -127,7 +123,7 @@ def completion_text(llm, ids):
 
 
 @pytest.mark.parametrize("include", [False, True])
-def test_stop_strings(llm, ref, include):
+def test_stop_strings(llm, last_logits, include):
     prompts = ["hello ", "abcabc", "The quick"]
     full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     stops = []
@@ -161,7 +157,7 @@ def test_streamed_text_never_shows_a_partial_stop_string(llm):
 
 
 def test_max_tokens_none_runs_to_the_length_limit(ckpt):
-    llm = LLM(ckpt, block_size=4, num_kv_blocks=64, max_model_len=20)
+    llm = LLM(ckpt("llama", tokenizer=True), block_size=4, num_kv_blocks=64, max_model_len=20)
     o = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(o.outputs[0].token_ids) == 20 - len(PROMPTS[1]) and o.outputs[0].finish_reason == "length"
 

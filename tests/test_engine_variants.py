@@ -2,7 +2,6 @@
 sliding window on every other layer), gpt-oss (sinks, sliding window on every other layer) and
 Mistral with a sliding window shorter than the prompts — greedy token for token equal to
 transformers' ``generate`` (eager attention), natively and through transformers' attention interface."""
-import functools
 
 import pytest
 import torch
@@ -10,7 +9,8 @@ import torch
 import paged_ops
 from engine import LLM, SamplingParams
 from engine.attention import layer_sliding_window, window_left
-from tests.engine_fixtures import hf_greedy, hf_logprobs, hf_model, save_tiny_checkpoint
+from engine.demo import save_tiny_checkpoint
+from tests.engine_oracles import hf_greedy, hf_logprobs, hf_model
 
 ARCHS = ["mistral_sw", "gemma2", "gpt_oss"]  # engine/demo.py: tiny configs, sliding_window = 8
 WINDOW = 8
@@ -19,19 +19,6 @@ MAX_TOKENS = 8
 PROMPTS = [[5], [3, 1, 4, 1, 5, 9, 2, 6], list(range(20, 37)),
            list(range(40, 74)) + [1, 2, 3], list(range(40, 74)) + [7, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    @functools.cache
-    def get(arch):
-        return save_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch)
-    return get
-
-
-@pytest.fixture(scope="module")
-def ref(ckpt):
-    return functools.cache(lambda arch: hf_greedy(ckpt(arch), PROMPTS, MAX_TOKENS))
 
 
 def run(model_dir, prompts=PROMPTS, params=GREEDY, **kw):

@@ -27,7 +27,7 @@ import torch
 
 import paged_ops
 from paged_ops import reference
-from tests.helpers import assert_close, poison
+from paged_ops.testing import assert_close, poison
 
 BACKENDS = ("cpu", "cuda_emu", "triton")
 LAYOUTS = ("NHD", "HND", "head_major")

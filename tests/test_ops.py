@@ -47,12 +47,8 @@ def device_of(name: str) -> str:
 TIER = {name: {"cuda_emu": "pairwise", "triton": "small"}.get(name, "full") for name in BACKENDS}
 
 
-@pytest.fixture(autouse=True)
-def _untuned_configs(monkeypatch, tmp_path):
-    # On a GPU every new shape would otherwise be tuned over all candidates, and a user's stored
-    # configs would leak in: the contract is checked with the default configs.
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
+# The contract is checked with the default configs (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("untuned_configs")
 
 
 def sync(device: str) -> None:
@@ -868,20 +864,16 @@ def test_batch_invariant_prefill_rows_equal_decode(backend, dtype, var):
 
 @pytest.mark.parametrize("backend,var", [p for p in with_backends(INVARIANCE_VARIANTS)
                                          if device_of(p.values[0]) == "cpu"])
-def test_batch_invariant_thread_count(backend, var):
+def test_batch_invariant_thread_count(threads, backend, var):
     """(d) the same batches with 1 and 2 threads (backends on CPU tensors): the same bits."""
     device = device_of(backend)
     pool, _ = invariance_pool(BF16, device)
     ops = paged_ops.backend(backend)
     kw = dict(invariance_variants(var, device), batch_invariant=True)
-    threads = torch.get_num_threads()
     got = {}
-    try:
-        for n in (1, 2):
-            torch.set_num_threads(n)
-            got[n] = [run_decode(ops, sub_batch(pool, rows, 0), kw, len(rows)) for rows in BATCH_MIXES[:3]]
-    finally:
-        torch.set_num_threads(threads)
+    for n in (1, 2):
+        threads(n)
+        got[n] = [run_decode(ops, sub_batch(pool, rows, 0), kw, len(rows)) for rows in BATCH_MIXES[:3]]
     for (o1, l1), (o2, l2), rows in zip(got[1], got[2], BATCH_MIXES):
         assert_bits_equal(o1, o2, f"out, batch {rows}, 1 vs 2 threads")
         assert_bits_equal(l1, l2, f"lse, batch {rows}, 1 vs 2 threads")

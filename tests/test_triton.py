@@ -36,13 +36,9 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8 = (E4M3, E5M2)
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
-@pytest.fixture(autouse=True)
-def _default_configs_from_an_empty_cache(monkeypatch, tmp_path):
-    # On a GPU, every new shape would otherwise be benchmarked over all candidates, and a
-    # user's stored configs would leak in: tests run the default configs from an empty cache
-    # (test_gpu_tuning_picks_and_persists turns tuning back on).
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
+# The default configs from an empty cache (tests/conftest.py); test_gpu_tuning_picks_and_persists
+# turns tuning back on.
+pytestmark = pytest.mark.usefixtures("untuned_configs")
 
 
 def test_interpreter_flag_took_effect():

@@ -33,10 +33,7 @@ SMALL_TILES = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 INF, NAN = math.inf, math.nan
 
 
-@pytest.fixture(autouse=True)
-def _default_configs_from_an_empty_cache(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
+pytestmark = pytest.mark.usefixtures("untuned_configs")
 
 
 def _reference(case, decode_op: bool, causal: bool = True, **kw):

@@ -1,7 +1,7 @@
-"""What the Triton backend would get wrong on a GPU, checked under the interpreter.
+"""The Triton backend's GPU numerics, checked under the interpreter: fp8 NaN / inf bytes, the GPU's
+bf16 rounding, the error of long contexts.
 
-Regression tests for bugs a review of the CPU proof found (issue #11, #12 item 6), each failing
-before its fix:
+Each case is a bug a review of the CPU proof found (issue #11, #12 item 6), and failed before its fix:
 - fp8 bytes: an e4m3fn NaN byte (0x7F / 0xFF) was decoded as +-480 (times the scale) in the
   attention kernels and in dequantize_fp8, and dequantize_fp8 loaded the fp8 tensor itself
   (Triton's fp8e4nv, which does not compile before sm_89); e5m2 infinities must stay infinite.
@@ -19,22 +19,17 @@ import triton
 import triton.language as tl
 
 from paged_ops import reference
+from paged_ops.testing import assert_close, nan_like, rel_err
 from paged_ops import triton as triton_backend
 from paged_ops.triton import decode
 from paged_ops.triton._common import INTERPRET
 from paged_ops.triton._tiles import round_to_bf16
-from tests.helpers import assert_close, nan_like, rel_err
 
-pytestmark = pytest.mark.skipif(not triton_backend.is_available() or "cpu" not in triton_backend.DEVICES,
-                                reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by conftest)")
+pytestmark = [pytest.mark.skipif(not triton_backend.is_available() or "cpu" not in triton_backend.DEVICES,
+                                 reason="needs the Triton interpreter (TRITON_INTERPRET=1, set by conftest)"),
+              pytest.mark.usefixtures("untuned_configs")]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-@pytest.fixture(autouse=True)
-def _default_configs(monkeypatch, tmp_path):
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
-    monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
 
 
 def _same_values(out: torch.Tensor, ref: torch.Tensor) -> None:

@@ -4,14 +4,9 @@ pool is whole afterwards."""
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine_fixtures import save_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    return LLM(save_tiny_checkpoint(tmp_path_factory.mktemp("llama")), num_kv_blocks=32, block_size=4)
+LLM_ARGS = {"num_kv_blocks": 32}  # the llm fixture's (tests/conftest.py)
 
 
 def assert_all_free(llm):
@@ -100,11 +95,10 @@ def test_bad_requests_do_not_take_others_down(llm):
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"), (dict(dtype="float64"), "dtype"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype"),
 ])
-def test_llm_arguments_rejected_at_construction(tmp_path_factory, kwargs, name):
+def test_llm_arguments_rejected_at_construction(ckpt, kwargs, name):
     """#12.15: zero budgets were accepted and generate failed with "KV pool too small"."""
-    model = save_tiny_checkpoint(tmp_path_factory.mktemp("bad"))
     with pytest.raises(ValueError, match=name):
-        LLM(model, **{"num_kv_blocks": 8, **kwargs})
+        LLM(ckpt(), **{"num_kv_blocks": 8, **kwargs})
 
 
 def test_failure_inside_one_requests_sampling_ends_only_that_request(llm, monkeypatch):

@@ -1,5 +1,5 @@
-"""Issue #27: the runtime's state under asyncio and threads, and bad values of its arguments and
-environment variables (items 4, 6 and part of 7; item 5, bad tuning files, is in test_tuning.py).
+"""The runtime's state under asyncio and threads, and bad values of its arguments and environment
+variables (issue #27 items 4, 6 and part of 7; item 5, bad tuning files, is in test_tuning.py).
 
 - paged_ops.batch_invariant() is a ContextVar: asyncio tasks on one thread never see or restore
   each other's mode;
@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import types
 
 import pytest
 import torch
@@ -28,31 +27,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ---- 4. the batch-invariant mode follows asyncio tasks ----------------------------------------
-
-
-@pytest.fixture
-def mode_seen(monkeypatch):
-    """The batch_invariant flag the public op hands backend 'triton' (a spy module in place of the
-    Triton kernels), i.e. the op's effective mode for a call made now."""
-    seen = []
-
-    def spy(op):  # the Triton functions take every schema argument, in schema order
-        names = [a.name for a in getattr(torch.ops.paged, op).default._schema.arguments]
-        return lambda *args: seen.append(args[names.index("batch_invariant")])
-
-    fake = types.SimpleNamespace(DEVICES=("cpu", "cuda"), is_available=lambda: True,
-                                 decode_attention=spy("decode_attention"), prefill_attention=spy("prefill_attention"))
-    monkeypatch.setattr(backends, "_triton", lambda: fake)
-    monkeypatch.setattr(backends, "_is_available", lambda name: True)
-    monkeypatch.delenv("PAGED_OPS_BATCH_INVARIANT", raising=False)
-    c = make_case([9, 20], [3, 4], num_heads=2, num_kv_heads=1, head_size=16, block_size=8, seed=1)
-    ops = backends.Backend("triton")
-
-    def call(**kw):
-        ops.prefill_attention(*c.prefill_args(nan_like(c.query)), **kw)
-        return seen.pop()
-
-    return call
 
 
 def test_batch_invariant_blocks_of_two_asyncio_tasks_do_not_leak(mode_seen):

@@ -1,10 +1,9 @@
-"""Checkpoints and the transformers-generate oracle for the engine tests."""
+"""The transformers oracles of the engine tests: greedy generate, logprobs, fp8-rounded K/V.
+The checkpoints they run on are tests/conftest.py's ckpt fixture (engine.demo.save_tiny_checkpoint)."""
 from __future__ import annotations
 
 import torch
 from transformers import AutoModelForCausalLM
-
-from engine.demo import save_tiny_checkpoint  # noqa: F401  (re-exported for the tests)
 
 
 def _greedy_each(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -25,22 +25,6 @@ pytestmark = pytest.mark.skipif("avx512_bf16" not in ops.supported_isas(),
                                 reason="this CPU has no AVX-512 BF16: the path is not built to run here")
 
 
-@pytest.fixture
-def bf16_isa():
-    previous = ops.set_isa("avx512_bf16")
-    yield
-    ops.set_isa(previous)
-
-
-@pytest.fixture
-def two_threads():
-    # Splits and parallel tasks need more than one OpenMP thread (plan_tasks).
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
-
-
 def decode(case, kw, isa=None):
     out, lse = nan_like(case.query), poison(torch.empty(case.query.shape[:2]))
     previous = ops.set_isa(isa) if isa else None
@@ -63,7 +47,6 @@ def check(case, kw, msg=""):
     # QK's products are exact and summed in fp32, the scale on the fp32 score: lse keeps fp32's budget.
     assert_lse_close(lse, ref_lse, torch.float32, msg)
     return out
-
 
 
 @pytest.mark.parametrize("group", range(1, 17))

@@ -1,4 +1,6 @@
-"""Regression tests for bugs of the CUDA kernels (csrc/kernels), run through the emulator (cuda_emu).
+"""The CUDA kernels (csrc/kernels), run by the emulator (cuda_emu), at the extremes of their values
+and sizes: fp8 K/V past fp16's range, non-finite queries, launch hints and windows past int32 / at
+the int64 maximum, block sizes past int32, a merge side over no keys.
 
 Each test failed before its fix (issue #11 "Wrong results", issue #12 item 5):
   * the tensor-core prefill staged dequantized fp8 K/V as fp16, so K or V beyond 65504 after the
@@ -20,7 +22,7 @@ import torch
 
 import paged_ops
 from paged_ops import reference
-from tests.helpers import assert_close, make_case, nan_like
+from paged_ops.testing import assert_close, make_case, nan_like
 
 if "cuda_emu" not in paged_ops.available_backends():
     pytest.skip("the cuda_emu backend is not built", allow_module_level=True)
@@ -91,32 +93,6 @@ def test_prefill_nonfinite_query_row_is_nan_like_reference(dtype, bad):
     assert nan_ref.any(), "the reference gives NaN for these rows"
     assert torch.equal(torch.isnan(out), nan_ref), "NaN rows differ from the reference's"
     assert_close(out[~nan_ref], ref[~nan_ref], dtype)
-
-
-# ---- launch configuration: an explicit argument, not an environment variable (issue #10 item 5) ----
-
-def test_explicit_launch_config_reaches_the_kernels():
-    # A configuration the decode plan must reject proves the test op's config is what the plan sees.
-    case = make_case([20, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=2)
-    test_ops = torch.ops.paged_cuda_emu_test
-    with pytest.raises((RuntimeError, ValueError), match="threads"):
-        test_ops.decode_attention_config(*case.decode_args(nan_like(case.query)), [48])
-    with pytest.raises((RuntimeError, ValueError), match="threads"):
-        test_ops.prefill_attention_config(*case.prefill_args(nan_like(case.query)), [40, 0, 0, 0, -1])
-    # Forced split-KV with small partitions, and the one-pass kernel: both exact.
-    for config in ([0, 8, 0, 1, 0], [0, -1, 0, 0, 0]):
-        out = nan_like(case.query)
-        test_ops.decode_attention_config(*case.decode_args(out), config)
-        assert_close(out, case.reference_prefill(), case.dtype)
-
-
-def test_environment_is_not_a_launch_api(monkeypatch):
-    # PAGED_CUDA_CONFIG used to be parsed at every call (an unknown key raised); it is ignored now.
-    monkeypatch.setenv("PAGED_CUDA_CONFIG", "threads=48,bogus=1")
-    case = make_case([20, 7], num_heads=4, num_kv_heads=2, head_size=64, block_size=16, seed=2)
-    out = nan_like(case.query)
-    emu.decode_attention(*case.decode_args(out))
-    assert_close(out, case.reference_prefill(), case.dtype)
 
 
 # ---- sizes past the kernels' 32-bit index are rejected, not narrowed (issue #12 item 3) -----------

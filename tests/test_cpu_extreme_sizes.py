@@ -1,4 +1,6 @@
-"""Regression tests for the cpu backend's crashes and silent errors (issue #12 items 1-4).
+"""The cpu backend at the extremes of its sizes: zero-length sequences, zero heads, sizes past
+int32 and contexts past 2^30 tokens. Each case crashed or gave a silent error before its fix
+(issue #12 items 1-4):
 
 1. prefill with a sequence of seq_len = 0 (and so q_len = 0) divided by a zero split length;
 2. reshape_and_cache (and attention) with 0 KV heads divided by zero in the kernel;
@@ -13,7 +15,6 @@ times equals softmax over one copy).
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
@@ -21,25 +22,16 @@ import torch
 
 import paged_ops
 from paged_ops import reference
-from tests.helpers import assert_close, make_case, nan_like, rel_err
+from paged_ops.testing import assert_close, make_case, nan_like, rel_err
 
 cpu = paged_ops.backend("cpu")
 
 
-@contextlib.contextmanager
-def num_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 # -- 1. seq_len = 0 ------------------------------------------------------------------------------
 
-def test_prefill_with_an_empty_sequence_issue_repro():
-    # The issue's repro: sequence 1 has seq_len 0 and q_len 0 (0 <= q_len <= seq_len).
+def test_prefill_of_a_sequence_with_no_tokens_after_another():
+    # Sequence 1 has seq_len 0 and q_len 0 (0 <= q_len <= seq_len): the smallest call that divided
+    # by a zero split length.
     g = torch.Generator().manual_seed(0)
     kc, vc = torch.randn(4, 4, 1, 16, generator=g), torch.randn(4, 4, 1, 16, generator=g)
     q = torch.randn(2, 1, 16, generator=g)
@@ -52,16 +44,16 @@ def test_prefill_with_an_empty_sequence_issue_repro():
     assert_close(out, ref, torch.float32)
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prefill_with_empty_sequences_between_others(threads, dtype):
+def test_prefill_with_empty_sequences_between_others(threads, num_threads, dtype):
     # Empty sequences first, in the middle and last, next to short and long ones; the long
     # one pushes the call over the threading threshold (and into split KV with 2 threads).
     case = make_case([0, 37, 0, 900, 5, 0], [0, 4, 0, 3, 5, 0], num_heads=4, num_kv_heads=2, head_size=64,
                      block_size=16, dtype=dtype, seed=3)
     out = nan_like(case.query)
-    with num_threads(threads):
-        cpu.prefill_attention(*case.prefill_args(out))
+    threads(num_threads)
+    cpu.prefill_attention(*case.prefill_args(out))
     assert_close(out, case.reference_prefill(), dtype)
 
 
@@ -129,28 +121,28 @@ def repeated_context(seq_len, block_size, num_real_blocks, head_size, num_heads,
     return (query, kc, vc, table, torch.tensor([seq_len], dtype=torch.int32), scale), expected
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_decode_1e8_tokens_exact_answer(threads):
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_decode_1e8_tokens_exact_answer(threads, num_threads):
     # 10^8 tokens (1.25e8: a multiple of the repeated 64-token pattern), one query head over one KV
     # head of size 8. fp32 running sums stalled at 2^24 and gave errors of percents here; the
     # error must not grow with length: within 1e-6 of the exact answer, as for short contexts.
     args, expected = repeated_context(125_000_000, 16, 4, 8, 1, seed=11)
     out = nan_like(args[0])
-    with num_threads(threads):
-        cpu.decode_attention(out, *args, None, None)
+    threads(num_threads)
+    cpu.decode_attention(out, *args, None, None)
     err = rel_err(out, expected)
-    assert err <= 1e-6, f"relative error {err:.3g} at 1.25e8 tokens with {threads} thread(s)"
+    assert err <= 1e-6, f"relative error {err:.3g} at 1.25e8 tokens with {num_threads} thread(s)"
 
 
-@pytest.mark.parametrize("threads,seq_len", [(1, 2**30 + 2**17), (2, 2**31 - 2**17)])
-def test_decode_past_2_30_tokens(threads, seq_len):
+@pytest.mark.parametrize("num_threads,seq_len", [(1, 2**30 + 2**17), (2, 2**31 - 2**17)])
+def test_decode_past_2_30_tokens(threads, num_threads, seq_len):
     # The planner computed kv_len + per_split in int: past 2^30 tokens (one thread, one split)
     # or ~1.9e9 (two threads, 8 splits) it planned no task and returned with out unwritten.
     # Large blocks keep the table small; two real blocks of 2^16 tokens repeat.
     args, expected = repeated_context(seq_len, 2**16, 2, 8, 1, seed=12)
     out = nan_like(args[0])
-    with num_threads(threads):
-        cpu.decode_attention(out, *args, None, None)
+    threads(num_threads)
+    cpu.decode_attention(out, *args, None, None)
     assert not math.isnan(rel_err(out, expected)), "out was left unwritten (NaN poison)"
     err = rel_err(out, expected)
-    assert err <= 1e-6, f"relative error {err:.3g} at {seq_len} tokens with {threads} thread(s)"
+    assert err <= 1e-6, f"relative error {err:.3g} at {seq_len} tokens with {num_threads} thread(s)"
