@@ -142,7 +142,8 @@ def mode_seen(monkeypatch):
 
     fake = types.SimpleNamespace(DEVICES=("cpu", "cuda"), is_available=lambda: True,
                                  decode_attention=spy("decode_attention"), prefill_attention=spy("prefill_attention"))
-    monkeypatch.setattr(backends, "_triton", lambda: fake)
+    module = backends._module
+    monkeypatch.setattr(backends, "_module", lambda name: fake if name == "triton" else module(name))
     monkeypatch.setattr(backends, "_is_available", lambda name: True)
     monkeypatch.delenv("PAGED_OPS_BATCH_INVARIANT", raising=False)
     c = make_case([9, 20], [3, 4], num_heads=2, num_kv_heads=1, head_size=16, block_size=8, seed=1)
