@@ -1,8 +1,10 @@
-// The cpu backend's entry points (what registration.cpp binds): each forwards to the active ISA
-// build of the kernels (csrc/cpu/isa.h). The active one is the best this CPU runs, chosen once
-// at the first call, unless PAGED_OPS_CPU_ISA names another; torch.ops.paged_cpu.set_isa switches
-// it at run time (tests and benchmarks run every path in one process that way).
-// Compiled with the baseline flags: this file must run on any CPU the package is built for.
+// Backend `cpu`: torch.ops.paged_cpu.* through the one registration (csrc/registration.h). What is
+// this backend's own: its Target, the launchers of the active ISA build of the kernels
+// (csrc/cpu/isa.h) plus the kernels built once (merges, copy_blocks). The active build is the best
+// this CPU runs, chosen once at the first call, unless PAGED_OPS_CPU_ISA names another;
+// torch.ops.paged_cpu.set_isa switches it at run time (tests and benchmarks run every path in one
+// process that way). Compiled with the baseline flags: this file must run on any CPU the package
+// is built for.
 #include <torch/library.h>
 
 #include <array>
@@ -19,6 +21,7 @@
 #endif
 
 #include "cpu/isa.h"
+#include "registration.h"
 
 namespace paged::cpu {
 namespace {
@@ -120,6 +123,7 @@ std::string join_names(bool only_usable) {
 struct Active {
   const char* name;
   IsaKernels kernels;
+  CacheLaunchers cache;  // its reshape_and_cache and fp8 conversions, and the one copy_blocks
 };
 
 // One Active per ISA, made once. Only the usable builds' kernels() is called: it is compiled with
@@ -129,7 +133,10 @@ const Active& build(const Isa& isa) {
     std::array<Active, kNumIsas> a{};
     for (size_t i = 0; i < a.size(); ++i) {
       a[i].name = isas()[i].name;
-      if (usable(isas()[i])) a[i].kernels = isas()[i].kernels();
+      if (!usable(isas()[i])) continue;
+      a[i].kernels = isas()[i].kernels();
+      a[i].cache = {a[i].kernels.reshape_and_cache, a[i].kernels.quantize_fp8, a[i].kernels.dequantize_fp8,
+                    &copy_blocks};
     }
     return a;
   }();
@@ -181,7 +188,7 @@ const Active& best() {
 std::atomic<const Active*> g_active{nullptr};
 
 // Throws (ValueError) on every call while PAGED_OPS_CPU_ISA names an unknown or unsupported ISA.
-const IsaKernels& active() {
+const Active& active() {
   const Active* a = g_active.load(std::memory_order_acquire);
   if (a == nullptr) {
     const char* env = std::getenv("PAGED_OPS_CPU_ISA");
@@ -189,7 +196,7 @@ const IsaKernels& active() {
     g_active.compare_exchange_strong(a, chosen, std::memory_order_acq_rel);  // a set_isa may have won
     a = g_active.load(std::memory_order_acquire);
   }
-  return a->kernels;
+  return *a;
 }
 
 std::string isa() {
@@ -211,33 +218,24 @@ std::vector<std::string> supported_isas() {  // worst first; the last is what is
   return names;
 }
 
+void copy_bytes(void* dst, const void* src, size_t bytes, Stream) { std::memcpy(dst, src, bytes); }
+const MergeLauncher kMerge = &merge_attention_states;
+const MergeStatesLauncher kMergeStates = &merge_states;
+
 }  // namespace
 
-void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache, Tensor& value_cache,
-                       const Tensor& slot_mapping, const OptTensor& k_scale, const OptTensor& v_scale) {
-  active().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
-}
-void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                      const Tensor& block_tables, const Tensor& seq_lens, double scale,
-                      const OptTensor& k_scale, const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
-  active().decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
-                            PAGED_OPS_VARIANT_ARGS);
-}
-void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
-                       const Tensor& block_tables, const Tensor& cu_seqlens_q, const Tensor& seq_lens,
-                       int64_t max_seqlen_q, double scale, bool causal, const OptTensor& k_scale,
-                       const OptTensor& v_scale, PAGED_OPS_VARIANT_PARAMS) {
-  active().prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
-                             max_seqlen_q, scale, causal, k_scale, v_scale, PAGED_OPS_VARIANT_ARGS);
-}
-void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
-  active().quantize_fp8(out, input, scale);
-}
-void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale) {
-  active().dequantize_fp8(out, input, scale);
-}
+struct Backend {
+  using Guard = registration::NoGuard;
+  static binding::Target target(const at::Device&) {
+    const Active& a = active();
+    return {nullptr, nullptr, a.kernels.attention, &a.cache, &kMerge, &kMergeStates, nullptr, 0, copy_bytes, nullptr,
+            /*int32_sizes=*/false};
+  }
+};
 
 }  // namespace paged::cpu
+
+PAGED_OPS_REGISTER_BACKEND(paged_cpu, CPU, paged::cpu::Backend)
 
 // The ISA controls: isa() is the active one, supported_isas() those this machine runs (worst
 // first), set_isa(name) switches and returns the previous one (ValueError for an unknown or

@@ -19,23 +19,20 @@
 // The two AMX builds compile only attention (kernels/attention.cpp, table.cpp and the model's
 // test hooks); their other kernels are isa_avx512_bf16's (table.cpp).
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <string>
 
 #include "cpu/ops.h"
 
 namespace paged::cpu {
 
-using ReshapeAndCacheFn = decltype(&reshape_and_cache);
-using DecodeAttentionFn = decltype(&decode_attention);
-using PrefillAttentionFn = decltype(&prefill_attention);
-using Fp8ConvertFn = decltype(&quantize_fp8);
-
+// One ISA build's launchers: the cpu Target's (csrc/cpu/dispatch.cpp) while that build is active.
 struct IsaKernels {
-  ReshapeAndCacheFn reshape_and_cache;
-  DecodeAttentionFn decode_attention;
-  PrefillAttentionFn prefill_attention;
-  Fp8ConvertFn quantize_fp8;
-  Fp8ConvertFn dequantize_fp8;
+  void (*attention)(const AttentionParams& p);
+  void (*reshape_and_cache)(const ReshapeCacheParams& p, Stream stream);
+  void (*quantize_fp8)(const Fp8Params& p, Stream stream);
+  void (*dequantize_fp8)(const Fp8Params& p, Stream stream);
 };
 
 #define PAGED_CPU_DECLARE_ISA(ns) \
@@ -54,7 +51,7 @@ PAGED_CPU_DECLARE_ISA(isa_amx_emulated)
 // The AMX model's test hooks (kernels/amx_emulated_probe.cpp; registered by dispatch.cpp).
 namespace isa_amx_emulated {
 std::string amx_emulated_fault_case(const std::string& name);
-Tensor amx_emulated_tdpbf16ps(const Tensor& c, const Tensor& a, const Tensor& b);
+at::Tensor amx_emulated_tdpbf16ps(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b);
 void amx_emulated_disturb(const std::string& how);
 int64_t amx_emulated_dot_count();  // TDPBF16PS run so far, all threads
 }  // namespace isa_amx_emulated

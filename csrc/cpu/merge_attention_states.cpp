@@ -2,31 +2,30 @@
 // two partial outputs weighted by their log-sum-exps. Memory-bound: the weights are computed
 // once per row in fp64, the row itself in fp32 (the compiler vectorizes the loops).
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "ops.h"
+#include "cpu/ops.h"
 
 namespace paged::cpu {
 namespace {
 
 template <typename T>
-void merge_rows(Tensor& out, float* out_lse, const Tensor& prefix_out, const float* prefix_lse,
-                const Tensor& suffix_out, const float* suffix_lse) {
+void merge_rows(const MergeParams& p) {
   // out, prefix_out, suffix_out: [num_tokens, num_heads, head_size], unit stride in the last
   // dimension; the lses: [num_tokens, num_heads], contiguous.
-  const int64_t num_heads = out.size(1), head_size = out.size(2), num_rows = out.size(0) * num_heads;
-  T* o = out.data_ptr<T>();
-  const T* a_out = prefix_out.data_ptr<T>();
-  const T* b_out = suffix_out.data_ptr<T>();
-  const int64_t o_token = out.stride(0), o_head = out.stride(1);
-  const int64_t a_token = prefix_out.stride(0), a_head = prefix_out.stride(1);
-  const int64_t b_token = suffix_out.stride(0), b_head = suffix_out.stride(1);
+  const int64_t num_heads = p.num_heads, head_size = p.head_size, num_rows = p.num_tokens * num_heads;
+  T* o = static_cast<T*>(p.out);
+  const T* a_out = static_cast<const T*>(p.prefix_out);
+  const T* b_out = static_cast<const T*>(p.suffix_out);
+  const float* prefix_lse = p.prefix_lse;
+  const float* suffix_lse = p.suffix_lse;
+  float* out_lse = p.out_lse;
+  const int64_t o_token = p.o_stride_token, o_head = p.o_stride_head;
+  const int64_t a_token = p.prefix_stride_token, a_head = p.prefix_stride_head;
+  const int64_t b_token = p.suffix_stride_token, b_head = p.suffix_stride_head;
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(head_size, 1));
   at::parallel_for(0, num_rows, grain, [&](int64_t begin, int64_t end) {
     constexpr double kNegInf = -std::numeric_limits<double>::infinity();
@@ -62,17 +61,8 @@ void merge_rows(Tensor& out, float* out_lse, const Tensor& prefix_out, const flo
 
 }  // namespace
 
-void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
-                            const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse) {
-  float* lse = out_lse ? out_lse->data_ptr<float>() : nullptr;
-  const float* a = prefix_lse.data_ptr<float>();
-  const float* b = suffix_lse.data_ptr<float>();
-  switch (out.scalar_type()) {
-    case at::kFloat: return merge_rows<float>(out, lse, prefix_out, a, suffix_out, b);
-    case at::kHalf: return merge_rows<c10::Half>(out, lse, prefix_out, a, suffix_out, b);
-    case at::kBFloat16: return merge_rows<c10::BFloat16>(out, lse, prefix_out, a, suffix_out, b);
-    default: TORCH_CHECK(false, "paged cpu merge_attention_states: unsupported dtype ", out.scalar_type());
-  }
+void merge_attention_states(const MergeParams& p, Stream) {
+  with_float_type(p.dtype, [&](auto tag) { merge_rows<decltype(tag)>(p); });
 }
 
 }  // namespace paged::cpu

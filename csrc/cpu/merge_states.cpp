@@ -6,33 +6,31 @@
 // A state with lse -inf contributes nothing and its out is not read (an empty attention's);
 // every state -inf, or none at all: out 0, out_lse -inf; any lse +inf or NaN: a NaN row.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
-#include "ops.h"
+#include "cpu/ops.h"
 
 namespace paged::cpu {
 namespace {
 
 template <typename T>
-void merge_state_rows(Tensor& out, float* out_lse, const Tensor& states, const Tensor& states_lse) {
+void merge_state_rows(const MergeStatesParams& p) {
   // out: [num_tokens, num_heads, head_size]; states: [num_tokens, num_states, num_heads,
   // head_size], unit stride in the last dimension; states_lse: [num_tokens, num_states,
   // num_heads], any strides; out_lse: [num_tokens, num_heads], contiguous.
-  const int64_t num_tokens = out.size(0), num_heads = out.size(1), head_size = out.size(2);
-  const int64_t num_states = states.size(1);
-  T* o = out.data_ptr<T>();
-  const T* x = states.data_ptr<T>();
-  const float* lse = states_lse.data_ptr<float>();
-  const int64_t o_token = out.stride(0), o_head = out.stride(1);
-  const int64_t x_token = states.stride(0), x_state = states.stride(1), x_head = states.stride(2);
-  const int64_t l_token = states_lse.stride(0), l_state = states_lse.stride(1), l_head = states_lse.stride(2);
+  const int64_t num_tokens = p.num_tokens, num_heads = p.num_heads, head_size = p.head_size;
+  const int64_t num_states = p.num_states;
+  T* o = static_cast<T*>(p.out);
+  const T* x = static_cast<const T*>(p.states);
+  const float* lse = p.states_lse;
+  float* out_lse = p.out_lse;
+  const int64_t o_token = p.o_stride_token, o_head = p.o_stride_head;
+  const int64_t x_token = p.s_stride_token, x_state = p.s_stride_state, x_head = p.s_stride_head;
+  const int64_t l_token = p.lse_stride_token, l_state = p.lse_stride_state, l_head = p.lse_stride_head;
   // ~16K elements read per chunk of tokens: a parallel region for less costs more than it saves.
   const int64_t per_token = std::max<int64_t>(1, num_heads * std::max<int64_t>(1, num_states) * head_size);
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / per_token);
@@ -80,14 +78,8 @@ void merge_state_rows(Tensor& out, float* out_lse, const Tensor& states, const T
 
 }  // namespace
 
-void merge_states(Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse) {
-  float* lse = out_lse ? out_lse->data_ptr<float>() : nullptr;
-  switch (out.scalar_type()) {
-    case at::kFloat: return merge_state_rows<float>(out, lse, states, states_lse);
-    case at::kHalf: return merge_state_rows<c10::Half>(out, lse, states, states_lse);
-    case at::kBFloat16: return merge_state_rows<c10::BFloat16>(out, lse, states, states_lse);
-    default: TORCH_CHECK(false, "paged cpu merge_states: unsupported dtype ", out.scalar_type());
-  }
+void merge_states(const MergeStatesParams& p, Stream) {
+  with_float_type(p.dtype, [&](auto tag) { merge_state_rows<decltype(tag)>(p); });
 }
 
 }  // namespace paged::cpu

@@ -1,41 +1,50 @@
-// The cpu backend: C++/OpenMP kernels; attention computes in fp32 and keeps its running sums in fp64.
-// Inputs are validated before they get here (the public op path, csrc/public/); semantics: paged_ops/reference.py.
+// The cpu backend: C++/OpenMP kernels on the structs of csrc/kernels/params.h, the same the CUDA
+// kernels take (the one binding, csrc/cuda/binding.h, fills them from the tensors). Attention
+// computes in fp32 and keeps its running sums in fp64. Inputs are validated before they get here
+// (csrc/public/); semantics: paged_ops/reference.py.
 #pragma once
-#include <ATen/core/Tensor.h>
-#include <optional>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
 
-#include "attention_variants.h"
+#include "kernels/launch.h"
+#include "kernels/params.h"
 
-// The kernels built once per instruction set (csrc/cpu/isa.h): declared in paged::cpu, where
-// csrc/cpu/dispatch.cpp forwards them to the active ISA's build, and in each ISA's namespace.
-#define PAGED_CPU_DECLARE_ISA_KERNELS                                                                    \
-  void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache,                       \
-                         Tensor& value_cache, const Tensor& slot_mapping, const OptTensor& k_scale,       \
-                         const OptTensor& v_scale);                                                       \
-  void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,                        \
-                        const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,    \
-                        double scale, const OptTensor& k_scale, const OptTensor& v_scale,                 \
-                        PAGED_OPS_VARIANT_PARAMS);                                                         \
-  void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,                       \
-                         const Tensor& value_cache, const Tensor& block_tables,                           \
-                         const Tensor& cu_seqlens_q, const Tensor& seq_lens, int64_t max_seqlen_q,        \
-                         double scale, bool causal, const OptTensor& k_scale, const OptTensor& v_scale,   \
-                         PAGED_OPS_VARIANT_PARAMS);                                                        \
-  void quantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);                               \
-  void dequantize_fp8(Tensor& out, const Tensor& input, const Tensor& scale);
+// The kernels built once per instruction set (csrc/cpu/isa.h), in each ISA's namespace; every
+// launcher has its CUDA twin's signature (kernels/launch.h) and ignores the stream.
+#define PAGED_CPU_DECLARE_ISA_KERNELS                                 \
+  void attention(const AttentionParams& p); /* decode: no cu_seqlens_q */ \
+  void reshape_and_cache(const ReshapeCacheParams& p, Stream stream);  \
+  void quantize_fp8(const Fp8Params& p, Stream stream);                \
+  void dequantize_fp8(const Fp8Params& p, Stream stream);
 
 namespace paged::cpu {
-using at::Tensor;
-using OptTensor = std::optional<Tensor>;
 
-PAGED_CPU_DECLARE_ISA_KERNELS
-// Whole-block memcpy: no arithmetic to vectorize, so built once.
-void copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
-                 const Tensor& block_mapping);
-void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping);
-// Memory-bound, fp32 math: built once, with the baseline flags.
-void merge_attention_states(Tensor& out, const OptTensor& out_lse, const Tensor& prefix_out,
-                            const Tensor& prefix_lse, const Tensor& suffix_out, const Tensor& suffix_lse);
-// The N-way merge (states [num_tokens, num_states, num_heads, head_size]): also memory-bound, fp32 math.
-void merge_states(Tensor& out, const OptTensor& out_lse, const Tensor& states, const Tensor& states_lse);
+// Memory-bound, no arithmetic worth an ISA build: built once, with the baseline flags.
+void merge_attention_states(const MergeParams& p, Stream stream);
+void merge_states(const MergeStatesParams& p, Stream stream);  // the N-way merge
+void copy_blocks(const CacheDesc* caches, int num_caches, const int64_t* mapping, int64_t num_pairs, Stream stream);
+
+// fn(T{}) with T the C++ type of a 16/32-bit float code (the dtypes attention and merges take).
+template <typename F>
+void with_float_type(DType dtype, F&& fn) {
+  switch (dtype) {
+    case DType::F32: return fn(float{});
+    case DType::F16: return fn(c10::Half{});
+    case DType::BF16: return fn(c10::BFloat16{});
+    default: TORCH_CHECK(false, "paged cpu: unsupported dtype code ", int(dtype));
+  }
+}
+// fn(T{}) with T the C++ type of an fp8 code.
+template <typename F>
+void with_fp8_type(DType dtype, F&& fn) {
+  switch (dtype) {
+    case DType::E4M3: return fn(c10::Float8_e4m3fn{});
+    case DType::E5M2: return fn(c10::Float8_e5m2{});
+    default: TORCH_CHECK(false, "paged cpu: unsupported fp8 dtype code ", int(dtype));
+  }
+}
+
 }  // namespace paged::cpu

@@ -111,7 +111,11 @@ void set_cache_fields(const Target& tgt, P& p, const Tensor& key_cache, const Te
   p.k_scale_head_stride = ks.head_stride;
   p.v_scale_head_stride = vs.head_stride;
   p.cache_dtype = dtype_code(key_cache.scalar_type());
-  p.block_size = decltype(p.block_size)(size_for(tgt, key_cache.size(1), "block_size"));
+  if constexpr (std::is_same_v<decltype(p.block_size), int>) {
+    p.block_size = int_size(key_cache.size(1), "block_size");  // a 32-bit field on every target
+  } else {
+    p.block_size = size_for(tgt, key_cache.size(1), "block_size");
+  }
   p.k_stride_block = key_cache.stride(0);
   p.k_stride_token = key_cache.stride(1);
   p.k_stride_head = key_cache.stride(2);

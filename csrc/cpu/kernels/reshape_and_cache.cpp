@@ -1,9 +1,9 @@
 // reshape_and_cache for the cpu backend: scatter each token's K/V rows into its cache slot,
 // quantizing to fp8 on the way when the cache is fp8.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "cpu/convert.h"
 #include "cpu/isa.h"
@@ -11,30 +11,36 @@
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 namespace {
 
+// One side (K or V): rows x [num_tokens, num_kv_heads, head_size] by strides into cache
+// [num_blocks, block_size, num_kv_heads, head_size] by strides.
+struct Side {
+  const void* x;
+  int64_t x_stride_token, x_stride_head;
+  void* cache;
+  int64_t stride_block, stride_token, stride_head;
+  const float* scale;  // fp8: scale[h * scale_head_stride]
+  int64_t scale_head_stride;
+};
+
 template <typename XT, typename CT>
-void scatter(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTensor& scale) {
-  const int64_t num_tokens = x.size(0), num_heads = x.size(1), D = x.size(2);
-  const int64_t block_size = cache.size(1);
-  const int64_t sb = cache.stride(0), st = cache.stride(1), sh = cache.stride(2);
-  const int64_t xt = x.stride(0), xh = x.stride(1);
-  const XT* src = x.data_ptr<XT>();
-  CT* dst = cache.data_ptr<CT>();
-  const float* scales = scale ? scale->data_ptr<float>() : nullptr;
-  const bool per_head = scale && scale->numel() > 1;
+void scatter(const ReshapeCacheParams& p, const Side& s) {
+  const int64_t num_heads = p.num_kv_heads, D = p.head_size, block_size = p.block_size;
   if (num_heads * D == 0) return;  // nothing to store (0 KV heads is validated away too)
   TORCH_CHECK(block_size >= 1, "reshape_and_cache: block_size must be >= 1");
+  const XT* src = static_cast<const XT*>(s.x);
+  CT* dst = static_cast<CT*>(s.cache);
   // Chunks of >= 64K elements: a parallel region for less costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (num_heads * D));
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, p.num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t slot = slots[t];
+      const int64_t slot = p.slot_mapping[t];
       if (slot < 0) continue;  // padding token
-      CT* row = dst + (slot / block_size) * sb + (slot % block_size) * st;
+      CT* row = dst + (slot / block_size) * s.stride_block + (slot % block_size) * s.stride_token;
       for (int64_t h = 0; h < num_heads; ++h) {
-        const XT* in = src + t * xt + h * xh;
-        CT* o = row + h * sh;
+        const XT* in = src + t * s.x_stride_token + h * s.x_stride_head;
+        CT* o = row + h * s.stride_head;
         if constexpr (is_fp8_v<CT>) {
-          quantize_row(in, o, D, scales[per_head ? h : 0]);
+          quantize_row(in, o, D, s.scale[h * s.scale_head_stride]);
         } else {
           std::memcpy(o, in, D * sizeof(CT));  // validated: same dtype
         }
@@ -43,32 +49,21 @@ void scatter(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTens
   });
 }
 
-template <typename XT>
-void scatter_to(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTensor& scale) {
-  switch (cache.scalar_type()) {
-    case at::kFloat8_e4m3fn: return scatter<XT, c10::Float8_e4m3fn>(x, cache, slots, scale);
-    case at::kFloat8_e5m2: return scatter<XT, c10::Float8_e5m2>(x, cache, slots, scale);
-    default: return scatter<XT, XT>(x, cache, slots, scale);
-  }
-}
-
-void scatter_any(const Tensor& x, Tensor& cache, const int64_t* slots, const OptTensor& scale) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return scatter_to<float>(x, cache, slots, scale);
-    case at::kHalf: return scatter_to<c10::Half>(x, cache, slots, scale);
-    case at::kBFloat16: return scatter_to<c10::BFloat16>(x, cache, slots, scale);
-    default: TORCH_CHECK(false, "reshape_and_cache: unsupported key dtype ", x.scalar_type());
-  }
+void scatter_any(const ReshapeCacheParams& p, const Side& s) {
+  with_float_type(p.dtype, [&](auto x_tag) {
+    using XT = decltype(x_tag);
+    if (p.cache_dtype == p.dtype) return scatter<XT, XT>(p, s);
+    with_fp8_type(p.cache_dtype, [&](auto c_tag) { scatter<XT, decltype(c_tag)>(p, s); });
+  });
 }
 
 }  // namespace
 
-void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache,
-                       Tensor& value_cache, const Tensor& slot_mapping, const OptTensor& k_scale,
-                       const OptTensor& v_scale) {
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  scatter_any(key, key_cache, slots, k_scale);
-  scatter_any(value, value_cache, slots, v_scale);
+void reshape_and_cache(const ReshapeCacheParams& p, Stream) {
+  scatter_any(p, Side{p.key, p.key_stride_token, p.key_stride_head, p.key_cache, p.k_stride_block, p.k_stride_token,
+                      p.k_stride_head, p.k_scale, p.k_scale_head_stride});
+  scatter_any(p, Side{p.value, p.value_stride_token, p.value_stride_head, p.value_cache, p.v_stride_block,
+                      p.v_stride_token, p.v_stride_head, p.v_scale, p.v_scale_head_stride});
 }
 
 }  // namespace paged::cpu::PAGED_CPU_ISA_NS
