@@ -18,6 +18,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention_rules.h"
 #include "kernels/params.h"
 
 // The kernels' namespace. The emulator build renames it (-> paged_cuda_emu_impl) so that its
@@ -28,7 +29,7 @@
 #endif
 
 namespace PAGED_KERNEL_NS {
-using namespace ::paged;  // the parameter structs and dtype codes of kernels/params.h
+using namespace ::paged;  // kernels/params.h's parameter structs and dtype codes, attention_rules.h's rules
 
 // ---- launching ---------------------------------------------------------------------------------
 #ifdef PAGED_EMU
@@ -337,64 +338,24 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
 // ---- the visible keys of a query row ------------------------------------------------------------
-// Keys [lo, hi) of a row at position pos (= kv_len - q_len + i; negative when q_len > kv_len) of a
-// sequence of seq_len keys (paged_ops/reference.py attention): key j is visible iff
-// (not causal or j <= pos) and (window_left < 0 or j >= pos - window_left) and
-// (window_right < 0 or j <= pos + window_right). Empty when lo >= hi: such a row is out 0 and lse
-// -inf (or the sink's: finish_softmax), whatever the cache holds. int64 arithmetic: the windows may
-// be any size up to INT64_MAX.
-struct KeyRange {
-  int lo, hi;
-  __device__ __forceinline__ bool contains(int j) const { return j >= lo && j < hi; }
-};
-__device__ __forceinline__ int window_start(int64_t window_left, int pos) {
-  return window_left >= 0 && int64_t(pos) - window_left > 0 ? int(int64_t(pos) - window_left) : 0;
-}
-__device__ __forceinline__ int window_end(const AttentionParams& p, int pos, int seq_len) {
-  int64_t hi = seq_len;
-  if (p.causal) hi = int64_t(pos) + 1;
-  else if (p.window_right >= 0 && p.window_right < int64_t(seq_len) - pos) hi = int64_t(pos) + p.window_right + 1;
-  return int(hi < seq_len ? hi : seq_len);
-}
+// attention_rules.h's visible_keys on the kernels' int positions (a sequence fits int: the binding
+// checks), the windows int64 as the contract has them: keys [lo, hi) of the row at position pos
+// (= seq_len - q_len + i; negative when q_len > seq_len) of a sequence of seq_len keys. A row with
+// none (lo >= hi) is out 0 and lse -inf, or its sink's (end_row), whatever the cache holds.
+using KeyRange = ::paged::KeyRange<int>;
 __device__ __forceinline__ KeyRange visible_keys(const AttentionParams& p, int pos, int seq_len) {
-  return KeyRange{window_start(p.window_left, pos), window_end(p, pos, seq_len)};
+  return ::paged::visible_keys(pos, seq_len, p.causal, p.window_left, p.window_right);
 }
 
-// ---- the end of a row ----------------------------------------------------------------------------
-// A finished row's multiplier of its unnormalised accumulator (out = acc * inv) and its lse, from
-// its running max m (log2 domain; -inf: no finite score) and sum l (0: no finite score, NaN: a NaN
-// score), and the head's sink (natural log; null: none), as paged_ops/reference.py computes them:
-//  * a row with nothing to weigh (no visible key, or only -inf scores: l = 0) and no sink: out 0,
-//    lse -inf;
-//  * a sink is one more logit in the denominator with no value: -inf adds nothing (as no sink),
-//    +inf makes every finite row out 0 and lse +inf, NaN makes the row NaN; a row with no key and
-//    a finite sink is out 0, lse = sink.
-// A sink above the row's max takes the natural-log branch (lse = sink + ln l): sink * log2(e)
-// overflows float past ~2.4e38, and nothing else here is computed from it.
-struct RowEnd {
-  float inv, lse;
-};
-__device__ __forceinline__ float inverse_sum(float l) { return l > 0.f ? 1.f / l : l == 0.f ? 0.f : NAN; }
-__device__ __forceinline__ RowEnd finish_softmax(float m, float l, const float* sinks, int head) {
-  const float sink = sinks ? sinks[head] : -INFINITY;
-  if (sink == -INFINITY) return RowEnd{inverse_sum(l), (m + log2f(l)) * kLn2};  // l = 0: -inf
-  const float s2 = sink * kLog2e;  // +-inf for |sink| > ~2.4e38: then the sink dominates or vanishes
-  if (m != -INFINITY && m >= s2) {  // the row's max dominates (a NaN sink fails the test: below)
-    l += exp2f(s2 - m);
-    return RowEnd{inverse_sum(l), (m + log2f(l)) * kLn2};
-  }
-  // The sink dominates (or is NaN): the row's terms scale by 2^(m - s2), 0 when no score is finite.
-  const float o_mul = m == -INFINITY ? 0.f : exp2f(m - s2);
-  l = l * o_mul + 1.f;
-  if (sink != sink) l = NAN;
-  return RowEnd{inverse_sum(l) * o_mul, sink + log2f(l) * kLn2};
+// The end of a row: attention_rules.h's end_row in the kernels' fp32 base-2 arithmetic (Base2F32),
+// from the row's running max m (log2 domain) and sum l and the head's sink.
+__device__ __forceinline__ RowEnd<float> finish_softmax(const AttentionParams& p, float m, float l, int head) {
+  return end_row<Base2F32>(m, l, sink_logit<float>(p.sinks, head));
 }
 
 }  // namespace PAGED_KERNEL_NS

@@ -35,7 +35,8 @@
 // span): cache slots past seq_len may hold NaN, and a key hidden from the row by the mask may hold
 // inf or NaN, and a 0 probability times either would still be NaN. A row that sees no key (seq_len
 // 0, a prefill row before the cache under causal alignment, a window that excludes everything)
-// writes out 0 and lse -inf or its sink's (finish_softmax, kernels/common.cuh) and reads nothing.
+// writes out 0 and lse -inf or its sink's (finish_softmax: attention_rules.h's end_row) and reads
+// nothing.
 //
 // Split-KV (flash-decoding). With few sequences x KV heads the one-pass grid cannot fill the GPU,
 // so the context is cut into partitions of `partition_size` tokens along gridDim.z; each writes a
@@ -265,8 +266,8 @@ __device__ __forceinline__ void store_empty_row(const AttentionParams& p, int64_
   const int D = p.head_size;
   for (int idx = threadIdx.x; idx < nheads * D; idx += blockDim.x) {
     const int head = head0 + idx / D, d = idx % D;
-    const RowEnd e = finish_softmax(-INFINITY, 0.f, p.sinks, head);
-    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(0.f * e.inv);
+    const RowEnd<float> e = finish_softmax(p, -INFINITY, 0.f, head);
+    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(0.f * e.mul);
     if (p.lse && d == 0) p.lse[row * p.num_heads + head] = e.lse;
   }
 }
@@ -311,8 +312,8 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
     }
     const int head = head0 + h;
     if (!o.split) {
-      const RowEnd e = finish_softmax(M, L, p.sinks, head);  // L = 0: no finite score (out 0)
-      static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A * e.inv);
+      const RowEnd<float> e = finish_softmax(p, M, L, head);  // L = 0: no finite score (out 0)
+      static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A * e.mul);
       if (p.lse && d == 0) p.lse[o.row * p.num_heads + head] = e.lse;
     } else {
       const size_t row = (size_t(o.row) * p.num_heads + head) * o.num_partitions + o.part;
@@ -536,14 +537,14 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
     const float lj = tmp_ml[(row0 + j) * 2 + 1];
     if (lj != 0.f) L += exp2f(tmp_ml[(row0 + j) * 2] - M) * lj;
   }
-  const RowEnd e = finish_softmax(M, L, p.sinks, head);
+  const RowEnd<float> e = finish_softmax(p, M, L, head);
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float o = 0.f;
     for (int j = 0; j < nparts; ++j) {
       const float lj = tmp_ml[(row0 + j) * 2 + 1];
       if (lj != 0.f) o += exp2f(tmp_ml[(row0 + j) * 2] - M) * lj * tmp_out[(row0 + j) * D + d];
     }
-    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * e.inv);
+    static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * e.mul);
   }
   if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = e.lse;
 }

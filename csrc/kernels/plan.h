@@ -1,5 +1,5 @@
 // Launch plans of the attention kernels: grid, block, shared memory and the kernel variant for one
-// call, computed once by the binding (csrc/cuda/binding.h) from the parameters and the launch
+// call, computed once by the binding (csrc/binding.h) from the parameters and the launch
 // configuration, then passed down to the launcher and the kernels. Plain host code: no torch, no
 // CUDA, so the binding, nvcc and the emulator all see the same plan.
 #pragma once
@@ -9,14 +9,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention_rules.h"  // PAGED_HOST_DEVICE
 #include "kernels/paged_kv.h"
 #include "kernels/params.h"
-
-#if defined(__CUDACC__) || defined(PAGED_EMU)
-#define PAGED_HOST_DEVICE __host__ __device__
-#else
-#define PAGED_HOST_DEVICE
-#endif
 
 namespace paged {
 
@@ -53,10 +48,10 @@ struct SharedKV {
 
 // Floats of the token groups' merge scratch: [ntg][gstride] (max, sum) pairs, then
 // [ntg][gstride][D] accumulators.
-PAGED_HOST_DEVICE inline size_t merge_floats(int ntg, int gstride, int D) { return size_t(ntg) * gstride * (D + 2); }
+PAGED_HOST_DEVICE size_t merge_floats(int ntg, int gstride, int D) { return size_t(ntg) * gstride * (D + 2); }
 
 // Staging (2 buffers x K and V rows), or the merge scratch that reuses it afterwards.
-PAGED_HOST_DEVICE inline size_t shared_kv_smem(const SharedKV& sk, int threads, int D) {
+PAGED_HOST_DEVICE size_t shared_kv_smem(const SharedKV& sk, int threads, int D) {
   const size_t staging = size_t(2) * 2 * sk.chunk * sk.pitch;
   const size_t merge = merge_floats(threads / 32 * (32 / sk.tpt), kMaxGroupTile, D) * sizeof(float);
   return staging > merge ? staging : merge;

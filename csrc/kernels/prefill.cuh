@@ -18,7 +18,7 @@
 // A row whose scores hold a NaN is NaN, as in the reference: max() drops NaN, so l, not m, carries
 // it. l = 0 at the end means nothing to weigh: a row that sees no key at all (q_len > seq_len
 // under causal alignment, or windows that exclude everything) or whose visible scores are all -inf
-// is out 0 and lse -inf, or its sink's (finish_softmax, kernels/common.cuh).
+// is out 0 and lse -inf, or its sink's (finish_softmax: attention_rules.h's end_row).
 //
 // Masked keys are never read into a row: the mask selects (a hidden key's score is -inf, never
 // its q . k), and a hidden key's V never meets the row's probability 0, since 0 * inf = NaN. The
@@ -28,7 +28,7 @@
 // IEEE arithmetic, to exactly the rows that see them (rare: only when such a value exists).
 //
 // The variants (paged_ops/reference.py attention) are runtime arguments of both kernels: a row at
-// position pos = seq_len - q_len + i sees keys visible_keys(pos) (kernels/common.cuh: the windows
+// position pos = seq_len - q_len + i sees keys visible_keys(pos) (attention_rules.h: the windows
 // left and right, causal); compute_qk applies the soft-cap and the ALiBi bias to the visible
 // scores (ScoreMod), and store folds the sink into the row's denominator and writes ln Z to lse
 // (finish_row). A row tile's KV loop runs from the window start of its first (earliest) row to the
@@ -75,9 +75,9 @@ __device__ __forceinline__ float alibi_log2(const AttentionParams& p, int head) 
 // multiplier of the row's unnormalised accumulator.
 __device__ __forceinline__ float finish_row(const AttentionParams& p, float m, float l, int64_t token, int head,
                                             bool write_lse) {
-  const RowEnd e = finish_softmax(m, l, p.sinks, head);
+  const RowEnd<float> e = finish_softmax(p, m, l, head);
   if (p.lse && write_lse) p.lse[token * p.num_heads + head] = e.lse;
-  return e.inv;
+  return e.mul;
 }
 
 // ---- CUDA-core kernel (any query dtype; fp32 queries always take it) ---------------------------
@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
     auto row_keys = [&](int r) { return r < nrows ? visible_keys(p, position(r), seq_len) : KeyRange{0, 0}; };
     // The first row has the earliest keys, the last row the latest: no row of the tile sees a key
     // before the first's window or after the last's end.
-    const int kv_begin = window_start(p.window_left, position(0));
-    const int kv_end = window_end(p, position(nrows - 1), seq_len);
+    const int kv_begin = visible_keys(p, position(0), seq_len).lo;
+    const int kv_end = visible_keys(p, position(nrows - 1), seq_len).hi;
     __syncthreads();  // the previous tile's store has read rl; Qs is rewritten below
 
     // load_q
@@ -318,11 +318,11 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
     const int pos_last = seq_len - q_len + int((row0 + nrows - 1) / group);
     // The first row has the earliest keys, the last row the latest: no row of the tile sees a key
     // before the first's window or after the last's end.
-    const int kv_begin = window_start(p.window_left, pos_first);
-    const int kv_end = window_end(p, pos_last, seq_len);
+    const KeyRange first = visible_keys(p, pos_first, seq_len), last = visible_keys(p, pos_last, seq_len);
+    const int kv_begin = first.lo, kv_end = last.hi;
     // The keys every row of the tile sees; the others (the tile's edges) are hidden from some row,
     // which their V must not reach.
-    const KeyRange seen_by_all{window_start(p.window_left, pos_last), window_end(p, pos_first, seq_len)};
+    const KeyRange seen_by_all{last.lo, first.hi};
     __syncthreads();  // every warp is done with the previous tile's Qs/Ks/Vs
 
     // load_q
