@@ -263,12 +263,12 @@ struct Dest {
 // -inf, or the sink's (finish_softmax). Every thread of the block calls it, then the block exits.
 template <typename T>
 __device__ __forceinline__ void store_empty_row(const AttentionParams& p, int64_t row, int head0, int nheads) {
-  const int D = p.head_size;
+  const int D = int(p.head_size);
   for (int idx = threadIdx.x; idx < nheads * D; idx += blockDim.x) {
     const int head = head0 + idx / D, d = idx % D;
     const RowEnd<float> e = finish_softmax(p, -INFINITY, 0.f, head);
     static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(0.f * e.mul);
-    if (p.lse && d == 0) p.lse[row * p.num_heads + head] = e.lse;
+    if (p.lse && d == 0) p.lse[row * int(p.num_heads) + head] = e.lse;
   }
 }
 
@@ -280,7 +280,7 @@ template <typename T, int G>
 __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const OnlineSoftmax<G>& st, float* sm,
                                                 int ntg, int ntg_tile, int gstride, int tg, int gcount, bool lead,
                                                 bool active, int d0, int head0, int nheads, const Dest& o) {
-  const int D = p.head_size;
+  const int D = int(p.head_size), num_heads = int(p.num_heads);
   float* sml = sm;
   float* sacc = sm + size_t(ntg) * gstride * 2;
 #pragma unroll
@@ -314,9 +314,9 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
     if (!o.split) {
       const RowEnd<float> e = finish_softmax(p, M, L, head);  // L = 0: no finite score (out 0)
       static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A * e.mul);
-      if (p.lse && d == 0) p.lse[o.row * p.num_heads + head] = e.lse;
+      if (p.lse && d == 0) p.lse[o.row * num_heads + head] = e.lse;
     } else {
-      const size_t row = (size_t(o.row) * p.num_heads + head) * o.num_partitions + o.part;
+      const size_t row = (size_t(o.row) * num_heads + head) * o.num_partitions + o.part;
       o.tmp_out[row * D + d] = A / L;
       if (d == 0) {
         o.tmp_ml[row * 2] = M;
@@ -332,7 +332,9 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool spl
                                                       int num_partitions, float* tmp_out, float* tmp_ml, bool k_aligned,
                                                       bool v_aligned) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  const int group = p.num_heads / p.num_kv_heads;  // <= kGroupTile: the whole group
+  // AttentionParams' sizes are int64 (the cpu backend's); the binding checks they fit int, and the
+  // kernels narrow them once: 64-bit division and products cost registers and instructions.
+  const int group = int(p.num_heads) / int(p.num_kv_heads);  // <= kGroupTile: the whole group
   // Rows on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
   const int kvh = blockIdx.y;
   const int64_t row = blockIdx.x;
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool spl
     return;
   }
   const int64_t seq = rs.seq;
-  const int D = p.head_size;
+  const int D = int(p.head_size);
 
   constexpr int kGroupsPerWarp = 32 / TPT;
   const int lane = threadIdx.x % 32;
@@ -410,7 +412,7 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
                                                                 int partition_size, int num_partitions, float* tmp_out,
                                                                 float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  const int group = p.num_heads / p.num_kv_heads;
+  const int group = int(p.num_heads) / int(p.num_kv_heads);  // int: see decode_kernel
   // (row, head chunk) on x, chunks adjacent: see the header comment.
   const int64_t row = blockIdx.x / sk.n_hchunks;
   const int hchunk = blockIdx.x % sk.n_hchunks;
@@ -427,7 +429,7 @@ __global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p
     return;
   }
   const int64_t seq = rs.seq;
-  const int D = p.head_size;
+  const int D = int(p.head_size);
 
   const int tpt = sk.tpt;
   const int gpw = 32 / tpt;  // token groups per warp
@@ -526,9 +528,9 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
   PAGED_LAUNCH_BOUNDS_CHECK(128);
   const int64_t row = blockIdx.x;
   const int head = blockIdx.y;
-  const int D = p.head_size;
+  const int D = int(p.head_size), num_heads = int(p.num_heads);
   const int nparts = row_partitions(row_span(p, row), partition_size);  // only these were written
-  const size_t row0 = (size_t(row) * p.num_heads + head) * num_partitions;
+  const size_t row0 = (size_t(row) * num_heads + head) * num_partitions;
   float M = -INFINITY;
   for (int j = 0; j < nparts; ++j) M = fmaxf(M, tmp_ml[(row0 + j) * 2]);
   float L = 0.f;
@@ -546,7 +548,7 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
     }
     static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(o * e.mul);
   }
-  if (p.lse && threadIdx.x == 0) p.lse[row * p.num_heads + head] = e.lse;
+  if (p.lse && threadIdx.x == 0) p.lse[row * num_heads + head] = e.lse;
 }
 
 // `pl`: plan_decode(p, cfg) (kernels/plan.h), computed once by the binding. `workspace` holds

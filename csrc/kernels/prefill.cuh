@@ -76,7 +76,7 @@ __device__ __forceinline__ float alibi_log2(const AttentionParams& p, int head) 
 __device__ __forceinline__ float finish_row(const AttentionParams& p, float m, float l, int64_t token, int head,
                                             bool write_lse) {
   const RowEnd<float> e = finish_softmax(p, m, l, head);
-  if (p.lse && write_lse) p.lse[token * p.num_heads + head] = e.lse;
+  if (p.lse && write_lse) p.lse[token * int(p.num_heads) + head] = e.lse;
   return e.mul;
 }
 
@@ -98,10 +98,12 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
   const int kvh = blockIdx.y;
   const int q0 = p.cu_seqlens_q[seq];
   const int q_len = p.cu_seqlens_q[seq + 1] - q0;
-  const int group = p.num_heads / p.num_kv_heads;
+  // AttentionParams' sizes are int64 (the cpu backend's); the binding checks they fit int, and the
+  // kernels narrow them once: 64-bit division and products cost registers and instructions.
+  const int group = int(p.num_heads) / int(p.num_kv_heads);
   const int64_t total_rows = int64_t(q_len) * group;
   const int seq_len = p.seq_lens[seq];
-  const int D = p.head_size, ld = D + 1, nchunks = D / 8;
+  const int D = int(p.head_size), ld = D + 1, nchunks = D / 8;
 
   PAGED_DYNAMIC_SMEM(float, sm, size_t(BM) * D + size_t(BN) * ld + size_t(BM) * BN + 3 * BM);
   float* Qs = sm;
@@ -294,10 +296,10 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
   const int kvh = blockIdx.y;
   const int q0 = p.cu_seqlens_q[seq];
   const int q_len = p.cu_seqlens_q[seq + 1] - q0;
-  const int group = p.num_heads / p.num_kv_heads;
+  const int group = int(p.num_heads) / int(p.num_kv_heads);  // int: see prefill_kernel
   const int64_t total_rows = int64_t(q_len) * group;
   const int seq_len = p.seq_lens[seq];
-  const int D = p.head_size, Dp = (D + 15) / 16 * 16, ld = Dp + 8;
+  const int D = int(p.head_size), Dp = (D + 15) / 16 * 16, ld = Dp + 8;
 
   PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + 2 * BN) * ld);
   T* Qs = sm;
