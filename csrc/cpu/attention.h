@@ -129,6 +129,17 @@ inline Scratch& thread_scratch() {
   return scratch;
 }
 
+// Sequence s's query rows of the flattened batch: [begin, end). cu_seqlens_q == nullptr (decode):
+// one row per sequence, row s (kernels/params.h), so decode needs no offsets tensor.
+struct QueryRows {
+  int64_t begin, end;
+  int64_t size() const { return end - begin; }
+};
+inline QueryRows query_rows(const AttentionParams& p, int64_t s) {
+  if (p.cu_seqlens_q == nullptr) return {s, s + 1};
+  return {p.cu_seqlens_q[s], p.cu_seqlens_q[s + 1]};
+}
+
 // Keys a query row sees: [lo, hi] (reference.attention), p its position; none when lo > hi (a
 // row before the sequence's first key, p < 0, or a window with nothing in it). Both ends grow
 // with the row: a query tile's rows see [lo of its first row, hi of its last] together.
@@ -435,8 +446,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int D = int(p.head_size);  // validated: at most 256
   const int64_t group = p.num_heads / p.num_kv_heads;
-  const int64_t first_q = p.cu_seqlens_q[t.seq];
-  const int64_t q_len = p.cu_seqlens_q[t.seq + 1] - first_q;
+  const QueryRows seq_rows = query_rows(p, t.seq);
+  const int64_t first_q = seq_rows.begin;
+  const int64_t q_len = seq_rows.size();
   const int64_t kv_len = p.seq_lens[t.seq];
   const int64_t tokens = t.q_end - t.q_begin;
   const int64_t rows = tokens * group;  // per KV head
@@ -816,7 +828,7 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
   const int64_t tile_tokens = std::max<int64_t>(1, 128 / group);
   int64_t query_tiles = 0;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+    const int64_t q_len = query_rows(p, s).size();
     query_tiles += (q_len + tile_tokens - 1) / tile_tokens;
   }
   const int64_t wanted = num_threads > 1 ? int64_t(num_threads) * kTasksPerThread : 1;
@@ -829,7 +841,8 @@ inline std::vector<Task> plan_tasks(const AttentionParams& p, int num_threads, i
   std::vector<Task> tasks;
   partial_rows = 0;
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t q0 = p.cu_seqlens_q[s], q1 = p.cu_seqlens_q[s + 1], kv_len = p.seq_lens[s];
+    const QueryRows seq_rows = query_rows(p, s);
+    const int64_t q0 = seq_rows.begin, q1 = seq_rows.end, kv_len = p.seq_lens[s];
     if (q1 == q0) continue;  // no query rows (seq_len may be 0 then): nothing to compute
     for (int64_t qb = q0; qb < q1; qb += tile_tokens) {
       const int64_t qe = std::min(q1, qb + tile_tokens);
@@ -885,7 +898,7 @@ void paged_attention(const AttentionParams& p) {
   // and then nothing is gained by splitting KV either.
   double work = 0;  // multiply-adds, roughly (a double: q_len x seq_len x heads can pass 2^63)
   for (int64_t s = 0; s < p.num_seqs; ++s) {
-    const int64_t q_len = p.cu_seqlens_q[s + 1] - p.cu_seqlens_q[s];
+    const int64_t q_len = query_rows(p, s).size();
     // keys a row sees: at most the window (left + right + 1) where it has both edges
     const int64_t right = p.causal ? 0 : p.window_right;
     const int64_t keys = p.window_left >= 0 && right >= 0
