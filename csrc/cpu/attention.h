@@ -436,41 +436,86 @@ struct PV {
   }
 };
 
-// Runs one task. For each KV head, rows are (query token, head in group) pairs: row r = token *
-// group + g. Tiles are the outer loop and heads the inner one, so the task walks each token's
-// K/V rows of all its heads together: contiguous memory in the usual layouts, which is what
-// the hardware prefetcher follows. Writes out and lse (num_splits == 1) or its one part to
-// partial/part_lse (split tasks).
-template <typename QT, typename CT>
-void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, double* part_lse) {
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const int D = int(p.head_size);  // validated: at most 256
-  const int64_t group = p.num_heads / p.num_kv_heads;
-  const QueryRows seq_rows = query_rows(p, t.seq);
-  const int64_t first_q = seq_rows.begin;
-  const int64_t q_len = seq_rows.size();
-  const int64_t kv_len = p.seq_lens[t.seq];
-  const int64_t tokens = t.q_end - t.q_begin;
-  const int64_t rows = tokens * group;  // per KV head
-  const int64_t heads = t.kv_head_end - t.kv_head_begin;
-  const bool split = t.num_splits > 1;
-  w.resize(rows, heads, D);
+// The fp8 scales of (sequence seq, KV head h); 1 without. k_scale folds into the query, v_scale
+// into the output: both are per sequence and KV head.
+inline float k_scale_of(const AttentionParams& p, int64_t seq, int64_t kv_head) {
+  return kv_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kv_head);
+}
+inline float v_scale_of(const AttentionParams& p, int64_t seq, int64_t kv_head) {
+  return kv_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kv_head);
+}
 
-  const QT* query = static_cast<const QT*>(p.query);
-  // This sequence's fp8 scales (1 without): k_scale folds into the query, v_scale into the output.
-  auto k_scale_of = [&](int64_t kv_head) {
-    return kv_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, t.seq, kv_head);
-  };
-  auto v_scale_of = [&](int64_t kv_head) {
-    return kv_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, t.seq, kv_head);
-  };
-  // The task walks [begin, end): its KV range, cut to what its rows see, from a tile boundary.
+#if defined(__AVX512BF16__)
+// bf16 caches on this build, and fp8 caches under a bf16 query (widened to bf16 exactly in the
+// re-layout): the caches the bf16 dot-product paths read (bf16_dot.h, decode_dot.h).
+template <typename QT, typename CT>
+inline constexpr bool kDotCache =
+    std::is_same_v<CT, c10::BFloat16> || (is_fp8_v<CT> && std::is_same_v<QT, c10::BFloat16>);
+// decode_dot.h's element type: fp8 as it lies (widened in registers there), else bf16's bits.
+template <typename CT>
+using SmallDotElem = std::conditional_t<is_fp8_v<CT>, CT, uint16_t>;
+#endif
+
+// What one task computes with, fixed before its KV walk (plan_rows): its rows, the keys they see,
+// and the micro-kernels it runs. For each KV head, rows are (query token, head in group) pairs:
+// row r = token * group + g.
+struct TaskShape {
+  int D;                 // head size; validated: at most 256
+  int64_t group;         // query heads per KV head
+  int64_t rows;          // per KV head
+  int64_t heads;         // KV heads of the task
+  bool split;            // one split of several: writes its part to partial / part_lse
   // [lo_all, hi_all]: keys some row sees (rows that see none left out); [common_lo, common_hi]:
   // keys every row sees (empty rows included: empty when some row sees none).
+  int64_t lo_all, hi_all, common_lo, common_hi;
+  // The KV walk [begin, end): the task's range cut to what its rows see, from a tile boundary.
+  int64_t begin, end;
+  // One chunk, not split (outside batch-invariant mode): the epilogue writes out and lse at once
+  // (finish_row) and the fold's accumulator is never read.
+  bool direct;
+  // The QK / PV micro-kernels (choose_kernels): the 8/16-lane ones on the fp32 query (w.q), or
+  // the bf16 dot products on the query as it is (w.qb): dot (re-laid tiles, bf16_dot.h) or
+  // small_dot (rows as they lie, decode_dot.h).
+  bool query_as_is, dot, small_dot;
+  int dot_dv;  // the dot path's accumulator row: D rounded up to 32
+};
+
+// Stage: choose_kernels. The bf16 dot products (both read the query as it is, never w.q) for the
+// caches they take, never in batch-invariant mode: there decode and prefill rows must share one
+// code path. The re-laid tiles (dot) when the task has rows enough to pay for the tile's re-layout
+// (a prefill tile); fewer rows (decode: the GQA group) dot the keys and values as they lie
+// (small_dot), no re-layout to pay for.
+template <typename QT, typename CT>
+inline void choose_kernels(const AttentionParams& p, TaskShape& sh) {
+#if defined(__AVX512BF16__)
+  sh.query_as_is = kDotCache<QT, CT> && !p.batch_invariant;
+  sh.dot = sh.query_as_is && sh.rows >= kMinDotRows;
+  sh.small_dot = sh.query_as_is && sh.rows < kMinDotRows;
+#else
+  (void)p;
+  sh.query_as_is = sh.dot = sh.small_dot = false;
+#endif
+}
+
+// Stage: plan_rows. Each row's visible keys and position (w.first_visible / last_visible /
+// position, from row_range) and, from them, the task's KV walk and its micro-kernels.
+template <typename QT, typename CT>
+inline TaskShape plan_rows(const AttentionParams& p, const Task& t, Scratch& w) {
+  TaskShape sh{};
+  sh.D = int(p.head_size);
+  sh.group = p.num_heads / p.num_kv_heads;
+  const QueryRows seq_rows = query_rows(p, t.seq);
+  const int64_t kv_len = p.seq_lens[t.seq];
+  const int64_t tokens = t.q_end - t.q_begin;
+  sh.rows = tokens * sh.group;
+  sh.heads = t.kv_head_end - t.kv_head_begin;
+  sh.split = t.num_splits > 1;
+  w.resize(sh.rows, sh.heads, sh.D);
+  const int64_t group = sh.group;
   int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = -1;
   int64_t common_lo = 0, common_hi = std::numeric_limits<int64_t>::max();
   for (int64_t i = 0; i < tokens; ++i) {
-    const RowRange range = row_range(p, kv_len, q_len, t.q_begin + i - first_q);
+    const RowRange range = row_range(p, kv_len, seq_rows.size(), t.q_begin + i - seq_rows.begin);
     for (int64_t g = 0; g < group; ++g) {
       w.first_visible[i * group + g] = range.lo;
       w.last_visible[i * group + g] = range.hi;
@@ -482,26 +527,34 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     lo_all = std::min(lo_all, range.lo);
     hi_all = std::max(hi_all, range.hi);
   }
+  sh.lo_all = lo_all, sh.hi_all = hi_all, sh.common_lo = common_lo, sh.common_hi = common_hi;
   // Tiles start on multiples of kTileTokens (the same tiles for a row whatever else is in its
-  // task), but keys before lo_all are never read: no row sees them (see locate).
-  const int64_t end = std::min(t.kv_end, hi_all + 1);
-  const int64_t begin = end <= lo_all ? end : std::max(t.kv_begin, lo_all / kTileTokens * kTileTokens);
-#if defined(__AVX512BF16__)
-  // bf16 caches on this build, and fp8 caches under a bf16 query (widened to bf16 exactly in
-  // the re-layout): QK and PV by bf16 dot products (bf16_dot.h, decode_dot.h; see below),
-  // never in batch-invariant mode. Both read the query as it is (qb), never w.q.
-  constexpr bool kDotCache = std::is_same_v<CT, c10::BFloat16> || (is_fp8_v<CT> && std::is_same_v<QT, c10::BFloat16>);
-  const bool query_as_is = kDotCache && !p.batch_invariant;
-#else
-  constexpr bool query_as_is = false;
-#endif
+  // task), but keys before lo_all are never read: no row sees them (see locate_tile).
+  sh.end = std::min(t.kv_end, hi_all + 1);
+  sh.begin = sh.end <= lo_all ? sh.end : std::max(t.kv_begin, lo_all / kTileTokens * kTileTokens);
+  sh.direct = !sh.split && t.chunk_tokens == 0 && sh.begin < sh.end;
+  sh.dot_dv = (sh.D + 31) / 32 * 32;
+  choose_kernels<QT, CT>(p, sh);
+  return sh;
+}
+
+// Stage: load_queries. The task's query rows in the form its QK reads: fp32 times the scale and
+// k_scale (w.q, the 8/16-lane QK), or as they are (w.qb, the dot paths: their products are then
+// exact in fp32 and the scale multiplies the fp32 scores, so scores and lse keep fp32 accuracy).
+// Also starts the rows' fold (fold_part) and, on the dot path, its fp32 sums: every chunk's last
+// tile flushes acc32 to zero, and it is zeroed here too, so no earlier task's leftovers (a NaN
+// row) can reach this one.
+template <typename QT, typename CT>
+inline void load_queries(const AttentionParams& p, const Task& t, const TaskShape& sh, Scratch& w) {
+  const QT* query = static_cast<const QT*>(p.query);
+  const int D = sh.D;
+  const int64_t group = sh.group, rows = sh.rows, heads = sh.heads;
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
-    // k_scale folds into the query (and v_scale into the output): both are per sequence and KV head.
-    const float q_mul = p.scale * k_scale_of(kv_head) * CacheRead<CT>::kUnit;
+    const float q_mul = p.scale * k_scale_of(p, t.seq, kv_head) * CacheRead<CT>::kUnit;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
-      if (!query_as_is) {  // the fp32 query of the 8/16-lane QK (for_row_blocks)
+      if (!sh.query_as_is) {
         float* q = &w.q[(size_t(hl) * rows + r) * D];
         to_float(query + token * p.q_stride_token + head * p.q_stride_head, q, D);
         for (int d = 0; d < D; ++d) q[d] *= q_mul;
@@ -510,29 +563,9 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
       w.fold_w[hl * rows + r] = 0.0;
     }
   }
-  // One chunk, not split (outside batch-invariant mode): the epilogue writes out and lse at once
-  // (finish_row) and the fold's accumulator is never read.
-  const bool direct = !split && t.chunk_tokens == 0 && begin < end;
-  if (!direct) std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
+  if (!sh.direct) std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
 #if defined(__AVX512BF16__)
-  // bf16 caches on this build, and fp8 caches under a bf16 query (widened to bf16 exactly in
-  // the re-layout): QK and PV by bf16 dot products (bf16_dot.h) when the task has rows enough
-  // to pay for the tile's re-layout (a prefill tile; decode's few rows are not).
-  // Never in batch-invariant mode: there decode and prefill rows must share one code path.
-  // (kDotCache: above, with the query conversion it spares.)
-  const bool dot = kDotCache && !p.batch_invariant && rows >= kMinDotRows;
-  // Fewer rows (decode: the GQA group): bf16 dot products on the keys and values as they lie
-  // (decode_dot.h), no re-layout to pay for.
-  // The same caches (fp8 widened in registers there, under a bf16 query dotted as it is).
-  using SmallE = std::conditional_t<is_fp8_v<CT>, CT, uint16_t>;  // decode_dot.h's element type
-  const bool small_dot = kDotCache && !p.batch_invariant && rows < kMinDotRows;
-#else
-  constexpr bool dot = false;
-#endif
-#if defined(__AVX512BF16__)
-  if (dot || small_dot) {
-    // The query rows as they are (bf16, CT's dtype): QK's products are then exact in fp32 and
-    // the scale multiplies the fp32 scores (qk_dot), so scores and lse keep fp32 accuracy.
+  if (sh.dot || sh.small_dot) {
     w.resize_dot(rows, heads, D);
     for (int64_t hl = 0; hl < heads; ++hl)
       for (int64_t r = 0; r < rows; ++r) {
@@ -541,254 +574,395 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
                     size_t(D) * sizeof(QT));
       }
   }
-  const int dot_dv = (D + 31) / 32 * 32;
-  // Every chunk's last tile flushes acc32 to zero; zeroed here too, so no earlier task's
-  // leftovers (a NaN row) can reach this one.
-  if (dot) {
-    std::fill(w.acc32.begin(), w.acc32.begin() + size_t(rows) * heads * dot_dv, 0.f);
+  if (sh.dot) {
+    std::fill(w.acc32.begin(), w.acc32.begin() + size_t(rows) * heads * sh.dot_dv, 0.f);
     std::fill(w.acc_scale.begin(), w.acc_scale.begin() + rows * heads, 1.0);
   }
 #endif
-  if (split && begin >= end)  // none of the rows sees this split: an empty part each
-    for (int64_t row = 0; row < rows * heads; ++row) part_lse[t.partial_offset + row] = -std::numeric_limits<double>::infinity();
+}
 
-  const CT* kc = static_cast<const CT*>(p.key_cache);
-  const CT* vc = static_cast<const CT*>(p.value_cache);
-  const int32_t* table = p.block_tables + t.seq * p.block_table_stride;
-  const CT* k_tokens[2][kTileTokens];  // each token's head-0 row, for this tile and the next
+// Stage: begin_chunk. A chunk's online softmax starts empty: max -inf, sum 0, accumulator 0.
+inline void begin_chunk(const TaskShape& sh, Scratch& w) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = sh.rows, heads = sh.heads;
+  for (int64_t hl = 0; hl < heads; ++hl)
+    for (int64_t r = 0; r < rows; ++r) w.m[hl * rows + r] = kNegInf, w.l[hl * rows + r] = 0.0;
+  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * sh.D, 0.0);
+}
+
+// Tokens [j0, j0 + n) of the chunk ending at c1, n <= kTileTokens.
+inline int tile_len(int64_t j0, int64_t c1) { return int(std::min<int64_t>(kTileTokens, c1 - j0)); }
+
+// The cache rows of the walk's tiles: each token's head-0 row, for this tile and the next (slots
+// 0 and 1, alternating).
+template <typename CT>
+struct TileRows {
+  const CT* kc;
+  const CT* vc;
+  const int32_t* table;  // the sequence's block table row
+  const CT* k_tokens[2][kTileTokens];
   const CT* v_tokens[2][kTileTokens];
+
+  // Stage: locate_tile. The n tokens of the tile at j0 into slot. One division per tile, not per
+  // token (a 64-bit division costs more than a token's math at small head sizes); the next
+  // block's table entry is read only when a token lies in it. Keys of the tile before lo_all (the
+  // first tile only) point at key lo_all: their scores are masked and their probabilities 0, and
+  // their blocks (outside a window) are never read.
+  void locate(const AttentionParams& p, int64_t lo_all, int64_t j0, int n, int slot) {
+    const int hidden = int(std::clamp<int64_t>(lo_all - j0, 0, n - 1));
+    int64_t index = (j0 + hidden) / p.block_size, offset = (j0 + hidden) % p.block_size;
+    const CT* k_block = kc + table[index] * p.k_stride_block;
+    const CT* v_block = vc + table[index] * p.v_stride_block;
+    for (int j = hidden; j < n; ++j, ++offset) {
+      if (offset == p.block_size) {
+        offset = 0, ++index;
+        k_block = kc + table[index] * p.k_stride_block;
+        v_block = vc + table[index] * p.v_stride_block;
+      }
+      k_tokens[slot][j] = k_block + offset * p.k_stride_token;
+      v_tokens[slot][j] = v_block + offset * p.v_stride_token;
+    }
+    for (int j = 0; j < hidden; ++j) k_tokens[slot][j] = k_tokens[slot][hidden], v_tokens[slot][j] = v_tokens[slot][hidden];
+  }
+};
+
+// A tile's rows as Finite when none holds a NaN byte (the widening that skips the NaN fix-up),
+// else nullptr (read them as Exact). buf: room for the Finite pointers.
+template <typename CT>
+inline const typename CacheRead<CT>::Finite* const* as_finite(const typename CacheRead<CT>::Exact* const* rows, int n,
+                                                               int D, const typename CacheRead<CT>::Finite** buf) {
   using Exact = typename CacheRead<CT>::Exact;
   using Finite = typename CacheRead<CT>::Finite;
-  const Exact* k_rows[kTileTokens];  // the rows of the head being computed
-  const Exact* v_rows[kTileTokens];
+  if constexpr (std::is_same_v<Exact, Finite>) {
+    return rows;
+  } else {
+    if (any_e4m3_nan(rows, n, D)) return nullptr;
+    for (int j = 0; j < n; ++j) buf[j] = reinterpret_cast<const Finite*>(rows[j]);
+    return buf;
+  }
+}
+
+// Stage: score_tile (QK). w.s[r][j] = the scaled score of row r and token j of the tile, for the
+// rows of KV head h (local index hl), by the task's micro-kernels; next: the next tile's prefetches.
+template <typename QT, typename CT, typename P>
+__attribute__((always_inline)) inline void score_tile(const AttentionParams& p, const Task& t, const TaskShape& sh,
+                                                      Scratch& w, int64_t hl, int64_t h,
+                                                      const typename CacheRead<CT>::Exact* const* k_rows, int n,
+                                                      const P& next) {
+  using Exact = typename CacheRead<CT>::Exact;
+  using Finite = typename CacheRead<CT>::Finite;
+  const int D = sh.D;
+  const int64_t rows = sh.rows;
+#if defined(__AVX512BF16__)
+  // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
+  const float q_mul = p.scale * k_scale_of(p, t.seq, h) * CacheRead<CT>::kUnit;
+  if (sh.dot) {
+    const uint16_t* widened[kTileTokens];  // fp8 caches: the rows widened to bf16 (in w.kw)
+    transpose_keys(dot_rows<CT>(k_rows, n, D, w.kw.data(), widened), n, D, w.kt.data(), next);
+    const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
+    dot_qk_rows(rows, qb, D / 2, w.kt.data(), q_mul, w.s.data());
+    return;
+  }
+  if (sh.small_dot) {
+    const uint16_t* qb = reinterpret_cast<const uint16_t*>(&w.qb[size_t(hl) * rows * D / 2]);
+    small_qk_rows(rows, qb, D, reinterpret_cast<const SmallDotElem<CT>* const*>(k_rows), n, q_mul, w.s.data(), next);
+    return;
+  }
+#else
+  (void)p, (void)t, (void)h;
+#endif
+  const float* q = &w.q[size_t(hl) * rows * D];
   const Finite* finite_rows[kTileTokens];
-  // The tile's rows as Finite when none holds a NaN byte, else nullptr (read them as Exact).
-  auto as_finite = [&](const Exact* const* rows, int n) -> const Finite* const* {
-    if constexpr (std::is_same_v<Exact, Finite>) {
-      return rows;
-    } else {
-      if (any_e4m3_nan(rows, n, D)) return nullptr;
-      for (int j = 0; j < n; ++j) finite_rows[j] = reinterpret_cast<const Finite*>(rows[j]);
-      return finite_rows;
-    }
-  };
-  const int64_t row_bytes = int64_t(D) * sizeof(CT);
+  if (const Finite* const* k_fast = as_finite<CT>(k_rows, n, D, finite_rows))
+    for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
+  else
+    for_row_blocks<QK, Exact>(rows, q, D, k_rows, n, w.s.data(), next);
+}
 
-  // Chunks: the whole range, or (batch-invariant mode) its pieces between absolute multiples of
-  // chunk_tokens. Each is one online softmax, then folded into the rows' outputs.
-  for (int64_t c0 = begin, c1; c0 < end; c0 = c1) {
-    c1 = t.chunk_tokens > 0 ? std::min(end, (c0 / t.chunk_tokens + 1) * t.chunk_tokens) : end;
-    for (int64_t hl = 0; hl < heads; ++hl)
-      for (int64_t r = 0; r < rows; ++r) w.m[hl * rows + r] = kNegInf, w.l[hl * rows + r] = 0.0;
-    std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * D, 0.0);
+// Stage: apply_variants. On one row's scores of a tile: the soft-cap (the whole tile, before the
+// mask: a capped -inf is -softcap), the mask of the keys it does not see (all but [first, last):
+// window, causal mask, end of the tile), and ALiBi's slope * (j - position), the key's distance
+// to the query (slope: nullptr without ALiBi; distance: the tile's first key minus the position).
+__attribute__((always_inline)) inline void apply_variants(const AttentionParams& p, float* s, int first, int last,
+                                                          const float* slope, int64_t distance) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // SoftmaxVec (vec16.h): 16 lanes on AVX-512 builds, two vectors a tile; else Vec8.
+  using SV = SoftmaxVec;
+  if (p.softcap > 0.f)
+    for (int c = 0; c < kTileTokens; c += SV::kLanes) SV::softcap(SV::load(s + c), p.softcap).store(s + c);
+  std::fill(s, s + first, kNegInf);
+  std::fill(s + last, s + kTileTokens, kNegInf);
+  if (slope != nullptr) {
+    const float k = *slope;
+    for (int j = first; j < last; ++j) s[j] += k * float(distance + j);
+  }
+}
 
-    // Tokens [j0, j0 + n) of the chunk, n <= kTileTokens.
-    auto tile_len = [&](int64_t j0) { return int(std::min<int64_t>(kTileTokens, c1 - j0)); };
-    // One division per tile, not per token (a 64-bit division costs more than a token's math at
-    // small head sizes); the next block's table entry is read only when a token lies in it.
-    // Keys of the tile before lo_all (the first tile only) point at key lo_all: their scores
-    // are masked and their probabilities 0, and their blocks (outside a window) are never read.
-    auto locate = [&](int64_t j0, int slot) {
-      const int n = tile_len(j0);
-      const int hidden = int(std::clamp<int64_t>(lo_all - j0, 0, n - 1));
-      int64_t index = (j0 + hidden) / p.block_size, offset = (j0 + hidden) % p.block_size;
-      const CT* k_block = kc + table[index] * p.k_stride_block;
-      const CT* v_block = vc + table[index] * p.v_stride_block;
-      for (int j = hidden; j < n; ++j, ++offset) {
-        if (offset == p.block_size) {
-          offset = 0, ++index;
-          k_block = kc + table[index] * p.k_stride_block;
-          v_block = vc + table[index] * p.v_stride_block;
-        }
-        k_tokens[slot][j] = k_block + offset * p.k_stride_token;
-        v_tokens[slot][j] = v_block + offset * p.v_stride_token;
-      }
-      for (int j = 0; j < hidden; ++j) k_tokens[slot][j] = k_tokens[slot][hidden], v_tokens[slot][j] = v_tokens[slot][hidden];
-      return n;
-    };
-    const int first_n = locate(c0, 0);
-    for (int64_t hl = 0; hl < heads; ++hl) {
-      const int64_t h = t.kv_head_begin + hl;
-      Prefetch<CT>{k_tokens[0], v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
-          .rows(0, kTileTokens);
-    }
-    for (int64_t j0 = c0, slot = 0; j0 < c1; j0 += kTileTokens, slot ^= 1) {
-      const int n = tile_len(j0);
-      const int next_n = c1 - j0 > kTileTokens ? locate(j0 + kTileTokens, int(slot ^ 1)) : 0;
-      // The tile's keys every row sees: [seen_lo, seen_hi); the others are hidden from some row,
-      // and their values are scanned for inf / NaN before PV (copy_finite above).
-      const int seen_lo = int(std::clamp<int64_t>(common_lo - j0, 0, n));
-      const int seen_hi = int(std::clamp<int64_t>(common_hi - j0 + 1, seen_lo, n));
-      const bool some_hidden = seen_lo > 0 || seen_hi < n;
-      // Keys before lo_all (locate: they point at key lo_all) take a value row of zeros.
-      const int aliased = int(std::clamp<int64_t>(lo_all - j0, 0, n - 1));
-      for (int64_t hl = 0; hl < heads; ++hl) {
-        const int64_t h = t.kv_head_begin + hl;
-        for (int j = 0; j < n; ++j) {
-          k_rows[j] = reinterpret_cast<const Exact*>(k_tokens[slot][j] + h * p.k_stride_head);
-          v_rows[j] = reinterpret_cast<const Exact*>(v_tokens[slot][j] + h * p.v_stride_head);
-        }
-        for (int j = 0; j < aliased; ++j) v_rows[j] = reinterpret_cast<const Exact*>(w.v_zero.data());
-        const Prefetch<CT> next{k_tokens[slot ^ 1], v_tokens[slot ^ 1], next_n, row_bytes,
-                                (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
-        float* q = &w.q[size_t(hl) * rows * D];
-        double* acc = &w.acc[size_t(hl) * rows * D];
-        float* m = &w.m[hl * rows];
-        double* l = &w.l[hl * rows];
-#if defined(__AVX512BF16__)
-        // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
-        const float q_mul = p.scale * k_scale_of(h) * CacheRead<CT>::kUnit;
-        if (dot) {
-          const uint16_t* widened[kTileTokens];  // fp8 caches: the rows widened to bf16 (in w.kw)
-          transpose_keys(dot_rows<CT>(k_rows, n, D, w.kw.data(), widened), n, D, w.kt.data(), next);
-          const uint32_t* qb = &w.qb[size_t(hl) * rows * D / 2];
-          dot_qk_rows(rows, qb, D / 2, w.kt.data(), q_mul, w.s.data());
-        } else if (small_dot) {
-          const uint16_t* qb = reinterpret_cast<const uint16_t*>(&w.qb[size_t(hl) * rows * D / 2]);
-          small_qk_rows(rows, qb, D, reinterpret_cast<const SmallE* const*>(k_rows), n, q_mul, w.s.data(), next);
-        } else
-#endif
-        if (const Finite* const* k_fast = as_finite(k_rows, n))
-          for_row_blocks<QK, Finite>(rows, q, D, k_fast, n, w.s.data(), next);
-        else
-          for_row_blocks<QK, Exact>(rows, q, D, k_rows, n, w.s.data(), next);
-        for (int64_t r = 0; r < rows; ++r) {  // online softmax; s becomes the probabilities
-          float* s = &w.s[size_t(r) * kTileTokens];
-          // The row's keys in this tile: [first, last) (window, causal mask, end of the tile).
-          const int first = int(std::clamp<int64_t>(w.first_visible[r] - j0, 0, n));
-          const int last = int(std::clamp<int64_t>(w.last_visible[r] - j0 + 1, 0, n));
-          if (last <= first) {  // the row sees nothing here: contributes nothing
-            std::fill(s, s + kTileTokens, 0.f);
-            continue;
-          }
-          // SoftmaxVec (vec16.h): 16 lanes on AVX-512 builds, two vectors a tile; else Vec8.
-          using SV = SoftmaxVec;
-          if (p.softcap > 0.f)  // the whole tile, before the mask (a capped -inf is -softcap)
-            for (int c = 0; c < kTileTokens; c += SV::kLanes) SV::softcap(SV::load(s + c), p.softcap).store(s + c);
-          std::fill(s, s + first, kNegInf);
-          std::fill(s + last, s + kTileTokens, kNegInf);
-          if (p.alibi_slopes != nullptr) {  // + slope * (j - p), the key's distance to the query
-            const float slope = p.alibi_slopes[h * group + r % group];
-            const int64_t distance = j0 - w.position[r];
-            for (int j = first; j < last; ++j) s[j] += slope * float(distance + j);
-          }
-          SV vmax = SV::load(s), vsum = vmax;
-          for (int c = SV::kLanes; c < kTileTokens; c += SV::kLanes) {
-            vmax = SV::max(vmax, SV::load(s + c));
-            vsum = vsum + SV::load(s + c);
-          }
-          float tile_max = vmax.reduce_max();
-          // A NaN score (a NaN in K) makes the row NaN, as in the reference: the max above may drop
-          // NaN, so the lane sums tell (a lane test, no horizontal sum); NaN then flows through m,
-          // the correction, exp and l. +inf does too: exp(inf - inf) is NaN.
-          if (vsum.any_nan()) tile_max = std::numeric_limits<float>::quiet_NaN();
-          if (tile_max == kNegInf) {  // every score the row sees here is -inf: contributes nothing
-            std::fill(s, s + kTileTokens, 0.f);
-            continue;
-          }
-          const float m_new = std::isnan(tile_max) ? tile_max : std::max(m[r], tile_max);
-          // exp(-inf) = 0 on the first tile; 1 (exp(0), no libm call) when the max stays
-          const float correction = m_new == m[r] ? 1.f : std::exp(m[r] - m_new);
-          const SV shift = SV::broadcast(m_new);
-          SV sum = SV::zero();
-          for (int c = 0; c < kTileTokens; c += SV::kLanes) {
-            const SV e = SV::exp(SV::load(s + c) - shift);
-            e.store(s + c);
-            sum = sum + e;
-          }
-          if (correction != 1.f) {
-#if defined(__AVX512BF16__)
-            if (dot) {  // acc32 now; acc (fp64, rows too large to rescale often) at the next flush
-              for (int d = 0; d < D; ++d) w.acc32[(size_t(hl) * rows + r) * dot_dv + d] *= correction;
-              w.acc_scale[hl * rows + r] *= correction;
-            } else
-#endif
-            for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
-          }
-          l[r] = l[r] * correction + sum.sum();
-          m[r] = m_new;
-        }
-        // Values of keys hidden from some row, with an inf or NaN element: read from a copy with
-        // those elements 0, their p * v added to the rows that see them after PV.
-        int nonfinite_tokens[kTileTokens], num_nonfinite = 0;
-        const void* nonfinite_rows[kTileTokens];
-        if (some_hidden)
-          for (int j = aliased; j < n; ++j) {
-            if ((j >= seen_lo && j < seen_hi) || !any_nonfinite<CT>(v_rows[j], D)) continue;
-            void* copy = &w.v_finite[size_t(j) * D];
-            copy_finite<CT>(v_rows[j], D, copy);
-            nonfinite_rows[num_nonfinite] = v_rows[j];
-            nonfinite_tokens[num_nonfinite++] = j;
-            v_rows[j] = static_cast<const Exact*>(copy);
-          }
-#if defined(__AVX512BF16__)
-        if (dot) {
-          const uint16_t* widened[kTileTokens];
-          interleave_values(dot_rows<CT>(v_rows, n, D, w.kw.data(), widened), n, D, w.vp.data(), dot_dv);
-          pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
-          float* acc32 = &w.acc32[size_t(hl) * rows * dot_dv];
-          dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), dot_dv);
-          if (num_nonfinite > 0)  // before the flush: acc32 holds this tile's sums
-            add_nonfinite_values<CT>(rows, w.s.data(), w.first_visible.data(), w.last_visible.data(), j0,
-                                     nonfinite_tokens, nonfinite_rows, num_nonfinite, D, acc32, dot_dv);
-          if (j0 + kTileTokens >= c1 || ((j0 - c0) / kTileTokens + 1) % kDotFlushTiles == 0)
-            flush_acc(rows, acc32, dot_dv, acc, D, &w.acc_scale[hl * rows]);
-        } else if (small_dot) {
-          pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
-          small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const SmallE* const*>(v_rows), n, next);
-        } else
-#endif
-        if (const Finite* const* v_fast = as_finite(v_rows, n))
-          for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
-        else
-          for_row_blocks<PV, Exact>(rows, acc, D, w.s.data(), v_rows, n);
-        if (num_nonfinite > 0 && !dot)
-          add_nonfinite_values<CT>(rows, w.s.data(), w.first_visible.data(), w.last_visible.data(), j0,
-                                   nonfinite_tokens, nonfinite_rows, num_nonfinite, D, acc, D);
-      }
-    }
+// Stage: online_softmax_update. One row's tile of scores s (masked) into its running max m and
+// sum l; s becomes the tile's probabilities exp(s - m). Returns the factor the row's accumulator
+// takes (1 when the max stays; the caller rescales). A tile whose visible scores are all -inf
+// contributes nothing: s all 0, factor 1.
+__attribute__((always_inline)) inline float online_softmax_update(float* s, float& m, double& l) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  using SV = SoftmaxVec;
+  SV vmax = SV::load(s), vsum = vmax;
+  for (int c = SV::kLanes; c < kTileTokens; c += SV::kLanes) {
+    vmax = SV::max(vmax, SV::load(s + c));
+    vsum = vsum + SV::load(s + c);
+  }
+  float tile_max = vmax.reduce_max();
+  // A NaN score (a NaN in K) makes the row NaN, as in the reference: the max above may drop
+  // NaN, so the lane sums tell (a lane test, no horizontal sum); NaN then flows through m,
+  // the correction, exp and l. +inf does too: exp(inf - inf) is NaN.
+  if (vsum.any_nan()) tile_max = std::numeric_limits<float>::quiet_NaN();
+  if (tile_max == kNegInf) {
+    std::fill(s, s + kTileTokens, 0.f);
+    return 1.f;
+  }
+  const float m_new = std::isnan(tile_max) ? tile_max : std::max(m, tile_max);
+  // exp(-inf) = 0 on the first tile; 1 (exp(0), no libm call) when the max stays
+  const float correction = m_new == m ? 1.f : std::exp(m - m_new);
+  const SV shift = SV::broadcast(m_new);
+  SV sum = SV::zero();
+  for (int c = 0; c < kTileTokens; c += SV::kLanes) {
+    const SV e = SV::exp(SV::load(s + c) - shift);
+    e.store(s + c);
+    sum = sum + e;
+  }
+  l = l * correction + sum.sum();
+  m = m_new;
+  return correction;
+}
 
-    // The chunk's part of each row: its normalized output and log-sum-exp.
-    for (int64_t hl = 0; hl < heads; ++hl) {
-      const int64_t kv_head = t.kv_head_begin + hl;
-      const double v_mul = v_scale_of(kv_head) * CacheRead<CT>::kUnit;
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t row = hl * rows + r;
-        const double* acc = &w.acc[size_t(row) * D];
-        if (direct) {
-          const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
-          finish_row(double(w.m[row]), w.l[row], acc, D, v_mul, p.sinks ? p.sinks + head : nullptr, w.out.data(),
-                     p.lse ? p.lse + token * p.num_heads + head : nullptr);
-          from_float(w.out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
-          continue;
-        }
-        // l == 0: the row saw no key in this chunk, or every score it saw was -inf: lse -inf,
-        // a part the fold skips (fold_part; out 0 when no part is left). l is NaN for NaN rows.
-        const double lse = w.l[row] == 0.0 ? -std::numeric_limits<double>::infinity()
-                                           : double(w.m[row]) + std::log(w.l[row]);
-        const double norm = v_mul / w.l[row];
-        float* part = split ? partial + (t.partial_offset + row) * D : w.out.data();
-        for (int d = 0; d < D; ++d) part[d] = float(acc[d] * norm);
-        if (split)
-          part_lse[t.partial_offset + row] = lse;
-        else
-          fold_part(w.fold_m[row], w.fold_w[row], &w.fold_acc[size_t(row) * D], D, lse, part);
-      }
+// Stage: softmax_tile. The rows of KV head h (local hl) over the tile at j0 of n tokens: each
+// row's variants and online softmax (w.s becomes the probabilities; 0 where a row sees nothing),
+// and its accumulator rescaled by the factor: acc, or on the dot path acc32 now and acc (fp64,
+// rows too large to rescale often) at the next flush (acc_scale).
+__attribute__((always_inline)) inline void softmax_tile(const AttentionParams& p, const TaskShape& sh, Scratch& w,
+                                                        int64_t hl, int64_t h, int64_t j0, int n) {
+  const int D = sh.D;
+  const int64_t rows = sh.rows, group = sh.group;
+  double* acc = &w.acc[size_t(hl) * rows * D];
+  float* m = &w.m[hl * rows];
+  double* l = &w.l[hl * rows];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = &w.s[size_t(r) * kTileTokens];
+    const int first = int(std::clamp<int64_t>(w.first_visible[r] - j0, 0, n));
+    const int last = int(std::clamp<int64_t>(w.last_visible[r] - j0 + 1, 0, n));
+    if (last <= first) {  // the row sees nothing here: contributes nothing
+      std::fill(s, s + kTileTokens, 0.f);
+      continue;
+    }
+    apply_variants(p, s, first, last, p.alibi_slopes != nullptr ? &p.alibi_slopes[h * group + r % group] : nullptr,
+                   j0 - w.position[r]);
+    const float correction = online_softmax_update(s, m[r], l[r]);
+    if (correction != 1.f) {
+#if defined(__AVX512BF16__)
+      if (sh.dot) {
+        for (int d = 0; d < D; ++d) w.acc32[(size_t(hl) * rows + r) * sh.dot_dv + d] *= correction;
+        w.acc_scale[hl * rows + r] *= correction;
+      } else
+#endif
+      for (int d = 0; d < D; ++d) acc[size_t(r) * D + d] *= correction;
     }
   }
-  if (split || direct) return;
+}
 
-  for (int64_t hl = 0; hl < heads; ++hl) {
+// The values of a tile hidden from some row that hold an inf or NaN element (hide_nonfinite_values).
+struct NonfiniteValues {
+  int tokens[kTileTokens];          // their tokens in the tile
+  const void* rows[kTileTokens];    // their rows as they lie in the cache
+  int count = 0;
+};
+
+// Stage: hide_nonfinite_values. Of the tile's keys hidden from some row (outside [seen_lo,
+// seen_hi), from aliased on: keys before it read the zero row), the values with an inf or NaN
+// element: v_rows then points at a copy with those elements 0 (copy_finite), their p * v added
+// to the rows that see them after PV (add_nonfinite_values).
+template <typename CT>
+inline void hide_nonfinite_values(Scratch& w, const typename CacheRead<CT>::Exact** v_rows, int aliased, int seen_lo,
+                                  int seen_hi, int n, int D, NonfiniteValues& nf) {
+  using Exact = typename CacheRead<CT>::Exact;
+  for (int j = aliased; j < n; ++j) {
+    if ((j >= seen_lo && j < seen_hi) || !any_nonfinite<CT>(v_rows[j], D)) continue;
+    void* copy = &w.v_finite[size_t(j) * D];
+    copy_finite<CT>(v_rows[j], D, copy);
+    nf.rows[nf.count] = v_rows[j];
+    nf.tokens[nf.count++] = j;
+    v_rows[j] = static_cast<const Exact*>(copy);
+  }
+}
+
+// Stage: accumulate_pv (PV). acc += p . v over the tile at j0 (n tokens) of the chunk [c0, c1)
+// for the rows of KV head h (local hl), by the task's micro-kernels, plus the non-finite values'
+// terms; the dot path sums in acc32 and flushes it to acc every kDotFlushTiles tiles and at the
+// chunk's end.
+template <typename QT, typename CT, typename P>
+__attribute__((always_inline)) inline void accumulate_pv(const TaskShape& sh, Scratch& w, int64_t hl,
+                                                         const typename CacheRead<CT>::Exact* const* v_rows, int n,
+                                                         const P& next, const NonfiniteValues& nf, int64_t j0,
+                                                         int64_t c0, int64_t c1) {
+  using Exact = typename CacheRead<CT>::Exact;
+  using Finite = typename CacheRead<CT>::Finite;
+  const int D = sh.D;
+  const int64_t rows = sh.rows;
+  double* acc = &w.acc[size_t(hl) * rows * D];
+#if defined(__AVX512BF16__)
+  if (sh.dot) {
+    const uint16_t* widened[kTileTokens];
+    interleave_values(dot_rows<CT>(v_rows, n, D, w.kw.data(), widened), n, D, w.vp.data(), sh.dot_dv);
+    pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
+    float* acc32 = &w.acc32[size_t(hl) * rows * sh.dot_dv];
+    dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), sh.dot_dv);
+    if (nf.count > 0)  // before the flush: acc32 holds this tile's sums
+      add_nonfinite_values<CT>(rows, w.s.data(), w.first_visible.data(), w.last_visible.data(), j0, nf.tokens,
+                               nf.rows, nf.count, D, acc32, sh.dot_dv);
+    if (j0 + kTileTokens >= c1 || ((j0 - c0) / kTileTokens + 1) % kDotFlushTiles == 0)
+      flush_acc(rows, acc32, sh.dot_dv, acc, D, &w.acc_scale[hl * rows]);
+    return;
+  }
+  if (sh.small_dot) {
+    pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
+    small_pv_rows(rows, acc, D, w.pb.data(), reinterpret_cast<const SmallDotElem<CT>* const*>(v_rows), n, next);
+  } else
+#else
+  (void)c0, (void)c1, (void)next;
+#endif
+  {
+    const Finite* finite_rows[kTileTokens];
+    if (const Finite* const* v_fast = as_finite<CT>(v_rows, n, D, finite_rows))
+      for_row_blocks<PV, Finite>(rows, acc, D, w.s.data(), v_fast, n);
+    else
+      for_row_blocks<PV, Exact>(rows, acc, D, w.s.data(), v_rows, n);
+  }
+  if (nf.count > 0)
+    add_nonfinite_values<CT>(rows, w.s.data(), w.first_visible.data(), w.last_visible.data(), j0, nf.tokens, nf.rows,
+                             nf.count, D, acc, D);
+}
+
+// Stage: finish_chunk. The chunk's part of each row, its normalized output and log-sum-exp:
+// written as the row's out and lse (direct), to the split's part (partial / part_lse), or folded
+// into the row's chunks (fold_part).
+template <typename QT, typename CT>
+inline void finish_chunk(const AttentionParams& p, const Task& t, const TaskShape& sh, Scratch& w, float* partial,
+                         double* part_lse) {
+  const int D = sh.D;
+  const int64_t rows = sh.rows, group = sh.group;
+  for (int64_t hl = 0; hl < sh.heads; ++hl) {
+    const int64_t kv_head = t.kv_head_begin + hl;
+    const double v_mul = v_scale_of(p, t.seq, kv_head) * CacheRead<CT>::kUnit;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t row = hl * rows + r;
+      const double* acc = &w.acc[size_t(row) * D];
+      if (sh.direct) {
+        const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
+        finish_row(double(w.m[row]), w.l[row], acc, D, v_mul, p.sinks ? p.sinks + head : nullptr, w.out.data(),
+                   p.lse ? p.lse + token * p.num_heads + head : nullptr);
+        from_float(w.out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
+        continue;
+      }
+      // l == 0: the row saw no key in this chunk, or every score it saw was -inf: lse -inf,
+      // a part the fold skips (fold_part; out 0 when no part is left). l is NaN for NaN rows.
+      const double lse = w.l[row] == 0.0 ? -std::numeric_limits<double>::infinity()
+                                         : double(w.m[row]) + std::log(w.l[row]);
+      const double norm = v_mul / w.l[row];
+      float* part = sh.split ? partial + (t.partial_offset + row) * D : w.out.data();
+      for (int d = 0; d < D; ++d) part[d] = float(acc[d] * norm);
+      if (sh.split)
+        part_lse[t.partial_offset + row] = lse;
+      else
+        fold_part(w.fold_m[row], w.fold_w[row], &w.fold_acc[size_t(row) * D], D, lse, part);
+    }
+  }
+}
+
+// Stage: finish_rows. A task that folded its chunks itself: each row's output and lse from its
+// fold and its sink (fold_finish).
+template <typename QT>
+inline void finish_rows(const AttentionParams& p, const Task& t, const TaskShape& sh, Scratch& w) {
+  const int D = sh.D;
+  const int64_t rows = sh.rows, group = sh.group;
+  for (int64_t hl = 0; hl < sh.heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t row = hl * rows + r;
       const int64_t token = t.q_begin + r / group, head = kv_head * group + r % group;
-      fold_finish(w.fold_m[row], w.fold_w[row], &w.fold_acc[size_t(row) * D], D,
-                  p.sinks ? p.sinks + head : nullptr, w.out.data(),
-                  p.lse ? p.lse + token * p.num_heads + head : nullptr);
+      fold_finish(w.fold_m[row], w.fold_w[row], &w.fold_acc[size_t(row) * D], D, p.sinks ? p.sinks + head : nullptr,
+                  w.out.data(), p.lse ? p.lse + token * p.num_heads + head : nullptr);
       from_float(w.out.data(), static_cast<QT*>(p.out) + token * p.o_stride_token + head * p.o_stride_head, D);
     }
   }
+}
+
+// Runs one task: plan_rows (with choose_kernels), load_queries, then per chunk (begin_chunk) the KV walk
+// tile by tile (locate_tile; per KV head score_tile, softmax_tile, hide_nonfinite_values,
+// accumulate_pv) and finish_chunk, then finish_rows. Tiles are the outer loop and heads the inner
+// one, so the task walks each token's K/V rows of all its heads together: contiguous memory in
+// the usual layouts, which is what the hardware prefetcher follows. Writes out and lse
+// (num_splits == 1) or its one part to partial / part_lse (split tasks).
+template <typename QT, typename CT>
+void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partial, double* part_lse) {
+  const TaskShape sh = plan_rows<QT, CT>(p, t, w);
+  load_queries<QT, CT>(p, t, sh, w);
+  if (sh.split && sh.begin >= sh.end)  // none of the rows sees this split: an empty part each
+    for (int64_t row = 0; row < sh.rows * sh.heads; ++row)
+      part_lse[t.partial_offset + row] = -std::numeric_limits<double>::infinity();
+
+  using Exact = typename CacheRead<CT>::Exact;
+  TileRows<CT> tiles;
+  tiles.kc = static_cast<const CT*>(p.key_cache);
+  tiles.vc = static_cast<const CT*>(p.value_cache);
+  tiles.table = p.block_tables + t.seq * p.block_table_stride;
+  const Exact* k_rows[kTileTokens];  // the rows of the head being computed
+  const Exact* v_rows[kTileTokens];
+  const int64_t row_bytes = int64_t(sh.D) * sizeof(CT);
+
+  // Chunks: the whole range, or (batch-invariant mode) its pieces between absolute multiples of
+  // chunk_tokens. Each is one online softmax, then folded into the rows' outputs.
+  for (int64_t c0 = sh.begin, c1; c0 < sh.end; c0 = c1) {
+    c1 = t.chunk_tokens > 0 ? std::min(sh.end, (c0 / t.chunk_tokens + 1) * t.chunk_tokens) : sh.end;
+    begin_chunk(sh, w);
+    const int first_n = tile_len(c0, c1);
+    tiles.locate(p, sh.lo_all, c0, first_n, 0);
+    for (int64_t hl = 0; hl < sh.heads; ++hl) {
+      const int64_t h = t.kv_head_begin + hl;
+      Prefetch<CT>{tiles.k_tokens[0], tiles.v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
+          .rows(0, kTileTokens);
+    }
+    for (int64_t j0 = c0, slot = 0; j0 < c1; j0 += kTileTokens, slot ^= 1) {
+      const int n = tile_len(j0, c1);
+      int next_n = 0;
+      if (c1 - j0 > kTileTokens) {
+        next_n = tile_len(j0 + kTileTokens, c1);
+        tiles.locate(p, sh.lo_all, j0 + kTileTokens, next_n, int(slot ^ 1));
+      }
+      // The tile's keys every row sees: [seen_lo, seen_hi); the others are hidden from some row,
+      // and their values are scanned for inf / NaN before PV (hide_nonfinite_values).
+      const int seen_lo = int(std::clamp<int64_t>(sh.common_lo - j0, 0, n));
+      const int seen_hi = int(std::clamp<int64_t>(sh.common_hi - j0 + 1, seen_lo, n));
+      const bool some_hidden = seen_lo > 0 || seen_hi < n;
+      // Keys before lo_all (locate_tile: they point at key lo_all) take a value row of zeros.
+      const int aliased = int(std::clamp<int64_t>(sh.lo_all - j0, 0, n - 1));
+      for (int64_t hl = 0; hl < sh.heads; ++hl) {
+        const int64_t h = t.kv_head_begin + hl;
+        for (int j = 0; j < n; ++j) {
+          k_rows[j] = reinterpret_cast<const Exact*>(tiles.k_tokens[slot][j] + h * p.k_stride_head);
+          v_rows[j] = reinterpret_cast<const Exact*>(tiles.v_tokens[slot][j] + h * p.v_stride_head);
+        }
+        for (int j = 0; j < aliased; ++j) v_rows[j] = reinterpret_cast<const Exact*>(w.v_zero.data());
+        const Prefetch<CT> next{tiles.k_tokens[slot ^ 1], tiles.v_tokens[slot ^ 1], next_n, row_bytes,
+                                (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
+        score_tile<QT, CT>(p, t, sh, w, hl, h, k_rows, n, next);
+        softmax_tile(p, sh, w, hl, h, j0, n);
+        NonfiniteValues nf;
+        if (some_hidden) hide_nonfinite_values<CT>(w, v_rows, aliased, seen_lo, seen_hi, n, sh.D, nf);
+        accumulate_pv<QT, CT>(sh, w, hl, v_rows, n, next, nf, j0, c0, c1);
+      }
+    }
+    finish_chunk<QT, CT>(p, t, sh, w, partial, part_lse);
+  }
+  if (sh.split || sh.direct) return;
+  finish_rows<QT>(p, t, sh, w);
 }
 
 // Merges the splits of one (seq, kv head, query tile): the rows' parts folded in position
