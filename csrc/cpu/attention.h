@@ -8,11 +8,12 @@
 // partial output plus its log-sum-exp that a second pass merges.
 //
 // The variants (paged_ops/reference.py attention): a row at position p sees keys
-// [max(0, p - window_left), causal ? p : min(kv_len - 1, p + window_right)] (row_range; none
-// when p < 0 or the window leaves nothing: out 0, lse -inf, or the sink's); soft-cap and ALiBi
-// change the scores of each tile before its softmax; a sink is one more term of the row's
-// denominator, added once, when the row's parts are folded into its output (fold_part /
-// fold_finish, join_sink), which also gives the row's log-sum-exp. Keys a row does not see never
+// [max(0, p - window_left), causal ? p : min(kv_len - 1, p + window_right)] (row_range, from the
+// shared rule visible_keys of attention_rules.h; none when p < 0 or the window leaves nothing:
+// out 0, lse -inf, or the sink's); soft-cap and ALiBi change the scores of each tile before its
+// softmax; a sink is one more term of the row's denominator, added once, when the row's parts are
+// folded into its output (fold_part / fold_finish, the shared end_row), which also gives the
+// row's log-sum-exp. Keys a row does not see never
 // change it, even inf or NaN ones (copy_finite below). Tiles sit on absolute multiples of kTileTokens and a task starts at
 // the first tile any of its rows sees, so a window of W keys costs O(W) whatever the context.
 //
@@ -40,6 +41,7 @@
 #include <vector>
 
 #include "bf16_dot.h"
+#include "attention_rules.h"
 #include "decode_dot.h"
 #include "kernels/params.h"
 #include "vec16.h"
@@ -140,8 +142,9 @@ inline QueryRows query_rows(const AttentionParams& p, int64_t s) {
   return {p.cu_seqlens_q[s], p.cu_seqlens_q[s + 1]};
 }
 
-// Keys a query row sees: [lo, hi] (reference.attention), p its position; none when lo > hi (a
-// row before the sequence's first key, p < 0, or a window with nothing in it). Both ends grow
+// Keys a query row sees: [lo, hi], closed (the tile loop's bounds), p its position: the contract's
+// rule, rules::visible_keys (attention_rules.h), whose half-open end is hi + 1. None when lo > hi
+// (a row before the sequence's first key, p < 0, or a window with nothing in it). Both ends grow
 // with the row: a query tile's rows see [lo of its first row, hi of its last] together.
 struct RowRange {
   int64_t position, lo, hi;
@@ -149,24 +152,8 @@ struct RowRange {
 };
 inline RowRange row_range(const AttentionParams& p, int64_t kv_len, int64_t q_len, int64_t i) {
   const int64_t pos = kv_len - q_len + i;
-  const int64_t lo = p.window_left >= 0 ? std::max<int64_t>(0, pos - p.window_left) : 0;
-  const int64_t hi = p.causal ? pos : (p.window_right >= 0 ? std::min(kv_len - 1, pos + p.window_right) : kv_len - 1);
-  return {pos, lo, hi};
-}
-
-// The sink (a logit with no value, counted once per row) joined to a row's running max m and sum
-// l, as the reference's logsumexp over the scores and the sink: returns the factor the row's
-// accumulator takes. -inf is no sink; +inf gives m = +inf, l = 1 and factor 0 (out 0, lse +inf;
-// NaN if the row was NaN); NaN makes l NaN (a NaN row).
-inline double join_sink(double& m, double& l, const float* sink) {
-  if (sink == nullptr || double(*sink) == -std::numeric_limits<double>::infinity()) return 1.0;
-  const double s = *sink;
-  const double m_new = std::max(m, s);  // a NaN m stays: the row is NaN; a NaN s keeps m, b is NaN
-  const double a = std::exp(m - m_new);  // 0 for m = -inf (no key's weight left)
-  // s == m_new: exp(0), and for s = +inf not exp(inf - inf)
-  l = l * a + (s == m_new ? 1.0 : std::exp(s - m_new));
-  m = m_new;
-  return a;
+  const KeyRange<int64_t> keys = visible_keys<int64_t>(pos, kv_len, p.causal, p.window_left, p.window_right);
+  return {pos, keys.lo, keys.hi - 1};
 }
 
 // Folding a row's parts (chunks or splits, in position order) into its output: the running
@@ -184,29 +171,29 @@ __attribute__((noinline)) inline void fold_part(double& m, double& w, double* ac
   for (int d = 0; d < D; ++d) acc[d] = acc[d] * a + b * double(part[d]);
 }
 
-// The row's output and log-sum-exp from its folded parts and its sink (join_sink). No weight
-// (no part and no sink: the row saw no key, or only -inf scores): out 0 and lse -inf, as the
-// reference (its probabilities are 0 where the lse is -inf, not (-inf) - (-inf)).
+// The row's output and log-sum-exp from its folded parts and its sink: end_row (attention_rules.h)
+// in fp64 natural logs (BaseEF64) on the fold's max m and weight w. No weight (no part and no
+// sink: the row saw no key, or only -inf scores): out 0 and lse -inf, as the reference (its
+// probabilities are 0 where the lse is -inf, not (-inf) - (-inf)).
 __attribute__((noinline)) inline void fold_finish(double m, double w, const double* acc, int D, const float* sink,
                                                   float* out, float* lse) {
-  const double a = join_sink(m, w, sink);
-  const double norm = w == 0.0 ? 0.0 : a / w;  // w == 0: m is -inf, the lse too
-  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * norm);
-  if (lse != nullptr) *lse = float(m + std::log(w));
+  const RowEnd<double> end = end_row<BaseEF64>(m, w, sink ? double(*sink) : -std::numeric_limits<double>::infinity());
+  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * end.mul);
+  if (lse != nullptr) *lse = float(end.lse);
 }
 
 // A row's output and log-sum-exp straight from its one chunk's running max m, sum l and
-// accumulator acc (v_mul: the value scale): what fold_part then fold_finish give for a single
-// part, without the fp32 part and the fold's passes between. For tasks of one chunk that are not
-// split, i.e. never in batch-invariant mode (its bits must match a fold of several chunks).
-// l == 0 (no key, or only -inf scores, and no sink): out 0 (acc * 0: NaN only where a value the
-// row sees is inf or NaN) and lse -inf; with a sink, join_sink's.
+// accumulator acc (v_mul: the value scale, end_row's num): what fold_part then fold_finish give
+// for a single part, without the fp32 part and the fold's passes between. For tasks of one chunk
+// that are not split, i.e. never in batch-invariant mode (its bits must match a fold of several
+// chunks). l == 0 (no key, or only -inf scores, and no sink): out 0 (acc * 0: NaN only where a
+// value the row sees is inf or NaN) and lse -inf; with a sink, end_row's.
 inline void finish_row(double m, double l, const double* acc, int D, double v_mul, const float* sink, float* out,
                        float* lse) {
-  v_mul *= join_sink(m, l, sink);
-  const double norm = l == 0.0 ? 0.0 : v_mul / l;
-  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * norm);
-  if (lse != nullptr) *lse = float(m + std::log(l));
+  const RowEnd<double> end =
+      end_row<BaseEF64>(m, l, sink ? double(*sink) : -std::numeric_limits<double>::infinity(), v_mul);
+  for (int d = 0; d < D; ++d) out[d] = float(acc[d] * end.mul);
+  if (lse != nullptr) *lse = float(end.lse);
 }
 
 // Into L2, not L1: the next tile is 16 KiB per KV head, which L1 prefetches (prefetcht0) cannot
