@@ -165,10 +165,11 @@ def device_guard(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()
 
 
-LOG2E = 1.4426950408889634
-
-
-LN2 = 0.6931471805599453
+# The kernels keep scores and lse in base 2 (exp2 / log2 are the GPU's native ones): log2(e) takes
+# natural logits there, ln 2 brings a base-2 lse back. Constexprs, so kernels may read them; the
+# host takes ``.value``.
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +218,7 @@ class Variants:
         finite, normal float32 numbers (1 / (softcap * log2(e)) would be subnormal up there:
         the kernels never form it)."""
         if self.softcap > 0:
-            cap_log2, inv_cap = self.softcap * LOG2E, 1.0 / self.softcap
+            cap_log2, inv_cap = self.softcap * LOG2E.value, 1.0 / self.softcap
         else:
             cap_log2, inv_cap = 1.0, 1.0
         return cap_log2, inv_cap, max(int(self.window_left), 0), max(int(self.window_right), 0)

@@ -2,6 +2,8 @@
 import triton
 import triton.language as tl
 
+from ._common import LN2
+
 
 # fp8 cache formats (constexpr FP8_FORMAT); caches in these formats are passed as uint8 views.
 FP8_NONE = tl.constexpr(0)
@@ -71,9 +73,6 @@ def round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
-
-
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit

@@ -21,15 +21,12 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
+from ._common import (INTERPRET, LN2, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, is_fp8, kv_view, next_pow2, num_sms, round_bf16, row_align, scale_arg,
                       tl_dtype, Variants)
 from ._tiles import (finish_rows, load_kv_tile, load_scale, locate_tokens, online_softmax_step, score_tile,
                      store_rows)
 
-_LOG2E = 1.4426950408889634
-LOG2E = tl.constexpr(_LOG2E)
-LN2 = tl.constexpr(0.6931471805599453)
 PLAIN = Variants()  # no variant: the plain kernel
 
 
@@ -480,7 +477,7 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
     _decode_kernel[(num_rows, num_kv_heads, num_splits)](
         out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens, cu_seqlens_q,
         k_scale_t, v_scale_t, part_out, part_lse, sinks_t, alibi_t, lse_t,
-        scale * _LOG2E, softcap_log2, inv_softcap, window_left, window_right, partition, num_splits, num_seqs,
+        scale * LOG2E.value, softcap_log2, inv_softcap, window_left, window_right, partition, num_splits, num_seqs,
         row_offset, int(causal), k_seq_stride, k_head_stride, v_seq_stride, v_head_stride,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),

@@ -25,15 +25,13 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, compute_dtype, device_guard, device_name, dot_precision,
+from ._common import (INTERPRET, LN2, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, is_fp8, kv_view, next_pow2, round_bf16, row_align, scale_arg, tl_dtype,
                       Variants)
 from ._tiles import (FP8_NONE, finish_rows, fp8_bits_to_float, load_kv_tile, load_scale, locate_tokens,
                      online_softmax_step, round_to_bf16, score_tile, soft_cap, store_rows)
 from . import decode
-from .decode import LN2, LOG2E, PLAIN
-
-_LOG2E = 1.4426950408889634
+from .decode import PLAIN
 
 
 @triton.jit
@@ -470,7 +468,7 @@ def run_prefill(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, 
         _prefill_kernel[grid](
             out, query, kv_view(key_cache), kv_view(value_cache), block_tables, cu_seqlens_q, seq_lens,
             k_scale_t, v_scale_t, sinks_t, alibi_t, lse_t,
-            scale * _LOG2E, softcap_log2, inv_softcap, window_left, window_right, num_seqs,
+            scale * LOG2E.value, softcap_log2, inv_softcap, window_left, window_right, num_seqs,
             k_seq_stride, k_head_stride, v_seq_stride, v_head_stride,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
