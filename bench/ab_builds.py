@@ -7,6 +7,9 @@ so. Each build is a non-editable install in a folder of its own:
   PAGED_OPS_CUDA=off pip install --no-build-isolation --no-deps --target /tmp/after_site .    # at the new one
   .venv/bin/python -m bench.ab_builds /tmp/before_site /tmp/after_site --rounds 3 -- bench.op_overhead --calls 2000
 
+A folder given as ``-`` is this venv's own (editable) install of the working tree, run as a plain
+``python -m`` from the repository.
+
 Every run is a fresh ``python -S`` process whose path is that build's folder, then this venv's
 site-packages (torch; no .pth files, so the venv's editable paged_ops cannot shadow the build),
 then this repository (``bench``, the benchmark code, is the same for both). Each run's output is
@@ -25,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_once(site: str, module: str, args: list[str]) -> str:
+    if site == "-":
+        done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise SystemExit(f"{module} (this venv) failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done.stdout
     path = os.pathsep.join([site, sysconfig.get_paths()["purelib"], str(ROOT)])
     env = {**os.environ, "PYTHONPATH": path}
     # -S: no site processing, so the venv's editable-install finder is never installed; cwd is a
@@ -38,8 +46,8 @@ def run_once(site: str, module: str, args: list[str]) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("a", help="folder of build A (e.g. before the change)")
-    ap.add_argument("b", help="folder of build B")
+    ap.add_argument("a", help="folder of build A (e.g. before the change), or - for this venv's")
+    ap.add_argument("b", help="folder of build B, or - for this venv's")
     ap.add_argument("--rounds", type=int, default=2)
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -48,7 +56,7 @@ def main(argv=None) -> None:
         ap.error("name the benchmark module after --: ... -- bench.op_overhead --calls 2000")
     module, args = command[0], command[1:]
     for site in (cli.a, cli.b):
-        if not (Path(site) / "paged_ops").is_dir():
+        if site != "-" and not (Path(site) / "paged_ops").is_dir():
             ap.error(f"{site} holds no paged_ops install")
     for r in range(cli.rounds):
         for name, site in (("A", cli.a), ("B", cli.b)):

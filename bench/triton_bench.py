@@ -84,7 +84,7 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU and no TRITON_INTERPRET", file=sys.stderr)
         return 2
     if args.no_tune:
-        os.environ["PAGED_OPS_TRITON_AUTOTUNE"] = "0"
+        os.environ["PAGED_OPS_AUTOTUNE"] = "0"
     dtype = getattr(torch, args.dtype)
     shape = (args.heads, args.kv_heads, args.head_size, args.block_size, dtype, "cuda")
     rows = []

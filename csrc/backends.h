@@ -2,7 +2,7 @@
 // (paged_ops/reference.py), registered as its own torch.library namespace of the same schemas
 // (csrc/ops.h). Everything that knows the backends reads this table: the router of the public ops
 // (csrc/public/select.cpp, dispatch.cpp), paged_ops/backends.py (through paged_ops._C._backends())
-// and the registration of each C++ backend (csrc/registration.h).
+// and the registration of each C++ backend (csrc/binding.h).
 //
 // One row per backend: X(id, name, torch.library namespace, devices, Python module)
 //   devices  where its kernels take tensors: kOnCpu, kOnCuda (triton on CPU tensors only under

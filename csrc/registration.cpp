@@ -1,6 +1,6 @@
 // The public contract's schemas, and the triton backend's (a Python backend: csrc/backends.h).
 // Importing paged_ops._C runs these static registrations (the public ops' kernels:
-// csrc/public/dispatch.cpp; each C++ backend registers itself through csrc/registration.h); the
+// csrc/public/dispatch.cpp; each C++ backend registers itself through csrc/binding.h); the
 // Python module holds only the backend-selection hooks paged_ops/backends.py uses
 // (csrc/public/select.cpp).
 #include <Python.h>

@@ -60,8 +60,12 @@ def pytest_generate_tests(metafunc):
 def untuned_configs(monkeypatch, tmp_path):
     """The default launch configs from an empty cache: on a GPU every new shape would otherwise be
     tuned over all candidates, and a user's stored configs would leak in."""
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "0")
+    monkeypatch.setenv("PAGED_OPS_AUTOTUNE", "0")
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path / "paged_ops_cache"))
+    # On a GPU, import paged_ops already installed the stored CUDA configs into the extension:
+    # moving the cache directory alone does not take them out.
+    from paged_ops import tuning
+    tuning.load()
 
 
 # ---- the cpu backend's ISA builds and threads --------------------------------------------------

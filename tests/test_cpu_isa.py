@@ -1,4 +1,4 @@
-"""The cpu backend's runtime ISA dispatch (csrc/cpu/dispatch.cpp, csrc/cpu/isa.h).
+"""The cpu backend's runtime ISA dispatch (csrc/cpu/backend.cpp, csrc/cpu/isa.h).
 
 The kernels are compiled once per ISA (portable, avx2, avx512, avx512_bf16, amx and amx_emulated
 on x86; portable elsewhere) and one is chosen at the first call: the best this CPU runs, or
@@ -234,7 +234,7 @@ def test_cpu_sources_compile_for_aarch64():
     against this torch's headers. Syntax and semantics (templates instantiated), no code."""
     from torch.utils import cpp_extension
     sources = sorted(str(p.relative_to(ROOT)) for p in [*ROOT.glob("csrc/cpu/*.cpp"), *ROOT.glob("csrc/cpu/kernels/*.cpp")])
-    assert any("kernels/attention.cpp" in s for s in sources) and any("dispatch.cpp" in s for s in sources)
+    assert any("kernels/attention.cpp" in s for s in sources) and any("cpu/backend.cpp" in s for s in sources)
     flags = ["-std=c++20", "-fsyntax-only", "-fopenmp", "-DPAGED_CPU_ISA_NS=isa_portable",
              f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-Icsrc",
              *(f"-I{d}" for d in cpp_extension.include_paths())]

@@ -58,7 +58,7 @@ def run_prefill(case, causal=True, config=None):
     return out
 
 
-TC, CUDA_CORES = [0, 0, 0, 0, 1], [0, 0, 0, 0, -1]  # LaunchConfig [threads, partition, kv_tile, force_split, tc]
+TC, CUDA_CORES = [0, 0, 0, 0, 1], [0, 0, 0, 0, -1]  # LaunchConfig [threads, partition_size, kv_tile, force_split, tensor_cores]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -34,7 +34,7 @@ HEAD_SIZES = (64, 80, 96, 128, 256)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-CONFIG_FIELDS = ("threads", "partition", "kv_tile", "force_split", "tc")  # kernels/params.h LaunchConfig
+CONFIG_FIELDS = ("threads", "partition_size", "kv_tile", "force_split", "tensor_cores")  # kernels/params.h LaunchConfig
 
 
 def config_list(**kw) -> list[int]:
@@ -58,7 +58,7 @@ class ConfiguredOps:
 
 @pytest.fixture
 def launch_config():
-    """launch_config(threads=..., partition=..., ...) -> ops that launch with that configuration."""
+    """launch_config(threads=..., partition_size=..., ...) -> ops that launch with that configuration."""
     return lambda **kw: ConfiguredOps(config_list(**kw))
 
 
@@ -82,7 +82,7 @@ def check_prefill(case, causal=True, ops=emu):
 def test_decode_split_kv(launch_config, group, dtype, partition, threads, cache_dtype):
     # The split-KV path with its log-sum-exp merge: partitions that are empty for short
     # sequences, partial last partitions, partition sizes that do not divide the block size.
-    ops = launch_config(force_split=1, partition=partition, threads=threads)
+    ops = launch_config(force_split=1, partition_size=partition, threads=threads)
     case = make_case([1, partition, partition + 1, 150, 3 * partition - 1], num_heads=2 * group, num_kv_heads=2,
                      head_size=(64, 128, 96, 80, 256)[group % 5], block_size=16, dtype=dtype,
                      cache_dtype=cache_dtype, scale_kind=("tensor", "head")[group % 2],
@@ -91,7 +91,7 @@ def test_decode_split_kv(launch_config, group, dtype, partition, threads, cache_
 
 
 def test_decode_one_pass_forced(launch_config):
-    ops = launch_config(partition=-1)
+    ops = launch_config(partition_size=-1)
     case = make_case([1, 200, 333], num_heads=16, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=torch.float16, seed=3)
     check_decode(case, ops)
@@ -99,12 +99,12 @@ def test_decode_one_pass_forced(launch_config):
 
 # ---- decode, groups > 8: the shared-KV kernel --------------------------------------------------
 @pytest.mark.parametrize("group,config,cache_dtype", [
-    (16, dict(force_split=1, partition=32, threads=64), None),
-    (32, dict(force_split=1, partition=48, threads=256, kv_tile=7), None),  # chunks that straddle partitions
-    (64, dict(force_split=1, partition=20, threads=128), torch.float8_e4m3fn),
-    (80, dict(force_split=1, partition=64, kv_tile=1), None),
+    (16, dict(force_split=1, partition_size=32, threads=64), None),
+    (32, dict(force_split=1, partition_size=48, threads=256, kv_tile=7), None),  # chunks that straddle partitions
+    (64, dict(force_split=1, partition_size=20, threads=128), torch.float8_e4m3fn),
+    (80, dict(force_split=1, partition_size=64, kv_tile=1), None),
     (16, dict(threads=32, kv_tile=5), None),     # one warp per tile, tiny chunks
-    (24, dict(threads=256, partition=-1), torch.float8_e5m2)])  # several warps per tile, one pass
+    (24, dict(threads=256, partition_size=-1), torch.float8_e5m2)])  # several warps per tile, one pass
 def test_decode_large_group_configs(launch_config, group, config, cache_dtype):
     ops = launch_config(**config)
     case = make_case([1, 31, 32, 33, 150], num_heads=2 * group, num_kv_heads=2, head_size=(64, 128, 80)[group % 3],
@@ -125,7 +125,7 @@ def test_decode_large_group_unaligned_cache():
     check_decode(case)
 
 
-@pytest.mark.parametrize("group,config", [(1, ""), (8, ""), (12, ""), (16, ""), (32, "force_split=1,partition=40"),
+@pytest.mark.parametrize("group,config", [(1, ""), (8, ""), (12, ""), (16, ""), (32, "force_split=1,partition_size=40"),
                                           (64, "threads=256"), (80, ""), (130, "")])
 def test_decode_reads_kv_once_per_group(group, config):
     # The emulator counts the bytes the kernels' load helpers read from the two caches. Every live
@@ -181,11 +181,11 @@ VARIANTS = {
     "all": dict(softcap=3.0, window_left=50, sinks=True, alibi=True),
 }
 DECODE_PATHS = {
-    "one_pass": (2, dict(partition=-1)),
-    "split": (4, dict(force_split=1, partition=32)),
-    "split_odd": (2, dict(force_split=1, partition=24, threads=64)),
-    "shared_kv": (16, dict(force_split=1, partition=48, kv_tile=16)),
-    "shared_kv_one_pass": (24, dict(partition=-1, threads=256)),
+    "one_pass": (2, dict(partition_size=-1)),
+    "split": (4, dict(force_split=1, partition_size=32)),
+    "split_odd": (2, dict(force_split=1, partition_size=24, threads=64)),
+    "shared_kv": (16, dict(force_split=1, partition_size=48, kv_tile=16)),
+    "shared_kv_one_pass": (24, dict(partition_size=-1, threads=256)),
 }
 
 
@@ -219,8 +219,8 @@ def test_decode_default_variants_unchanged():
     assert torch.equal(plain, spelled) and torch.equal(plain, with_lse)
 
 
-@pytest.mark.parametrize("group,config", [(2, ""), (2, "force_split=1,partition=64"), (16, ""),
-                                          (16, "force_split=1,partition=40")])
+@pytest.mark.parametrize("group,config", [(2, ""), (2, "force_split=1,partition_size=64"), (16, ""),
+                                          (16, "force_split=1,partition_size=40")])
 def test_decode_window_reads_only_the_window(group, config):
     # A sliding window skips the blocks before it: the kernels read exactly the K and V rows of the
     # window, so a decode with window W costs O(W) whatever the context length.
@@ -348,8 +348,8 @@ def test_batch_invariant_decode_across_batches(launch_config, group, variant):
     kw = variant_args(2 * group, **(VARIANTS["all"] if variant == "all" else {}))
     want_out, want_lse = bi_decode(subcase(case, [2]), **kw)
     assert_close(want_out, decode_reference(subcase(case, [2]), **kw)[0], case.dtype)
-    for rows, ops in (([0, 1, 2, 3, 4, 5], emu), ([2, 4], emu), ([3, 2], launch_config(force_split=1, partition=16)),
-                      ([5, 0, 2], launch_config(partition=-1, threads=256)), ([1, 2], launch_config(threads=64))):
+    for rows, ops in (([0, 1, 2, 3, 4, 5], emu), ([2, 4], emu), ([3, 2], launch_config(force_split=1, partition_size=16)),
+                      ([5, 0, 2], launch_config(partition_size=-1, threads=256)), ([1, 2], launch_config(threads=64))):
         out, lse = bi_decode(subcase(case, rows), ops, **kw)
         i = rows.index(2)
         assert torch.equal(out[i], want_out[0]) and torch.equal(lse[i], want_lse[0]), rows
@@ -398,7 +398,7 @@ def test_batch_invariant_prefill_non_causal():
 
 # ---- prefill -----------------------------------------------------------------------------------
 # test_ops' pairwise prefill grid runs the default kernels: tensor cores (mma.sync, emulated) for
-# fp16/bf16, CUDA cores for fp32. Here the CUDA-core kernel is forced (tc=-1) for its 16-bit cases.
+# fp16/bf16, CUDA cores for fp32. Here the CUDA-core kernel is forced (tensor_cores=-1) for its 16-bit cases.
 PREFILL_GRID = [(bs, g, DTYPES[i % 3], HEAD_SIZES[i % 5], ("NHD", "HND")[i % 2], bool(i % 4))
                 for i, (bs, g) in enumerate(itertools.product((1, 3, 16), GROUPS))]
 
@@ -412,12 +412,12 @@ def test_prefill_cuda_cores(launch_config, block_size, group, dtype, head_size, 
     q_lens = [1, block_size, 5, 9, 0]
     case = make_case(seq_lens, q_lens=q_lens, num_heads=2 * group, num_kv_heads=2, head_size=head_size,
                      block_size=block_size, dtype=dtype, layout=layout, seed=block_size * 10 + group)
-    check_prefill(case, causal, launch_config(tc=-1))
+    check_prefill(case, causal, launch_config(tensor_cores=-1))
 
 
 @pytest.mark.parametrize("kv_tile,threads", [(16, 64), (64, 256), (7, 128)])
 def test_prefill_launch_configs(launch_config, kv_tile, threads):
-    ops = launch_config(kv_tile=kv_tile, threads=threads, tc=-1)
+    ops = launch_config(kv_tile=kv_tile, threads=threads, tensor_cores=-1)
     case = make_case([40, 13], q_lens=[33, 13], num_heads=14, num_kv_heads=2, head_size=96, block_size=16,
                      dtype=torch.float16, seed=kv_tile)
     check_prefill(case, ops=ops)
@@ -498,6 +498,12 @@ def test_emu_mma_matches_matmul(dtype):
     out = selftest.mma(a, b)
     for d in out:
         assert (d.double() - ref).abs().max() < 1e-4
+
+
+def test_attention_rules_header():
+    # csrc/attention_rules.h (visible_keys, end_row in both bases) against the reference's
+    # definitions, checked in C++: raises naming the first broken rule.
+    selftest.attention_rules()
 
 
 def test_emu_atomics_across_blocks():

@@ -1,7 +1,7 @@
 """The attention variants (softcap, window_left, sinks, alibi_slopes, lse; issue #13) in the CUDA
 prefill kernels (csrc/kernels/prefill.cuh) with explicit launch configurations (the test namespaces'
 prefill_attention_config): the tensor-core path (mma.sync, fp16/bf16 queries, fp8 caches) and the
-CUDA-core path (any dtype; forced with tc=-1), several KV tiles and thread counts. Every case runs
+CUDA-core path (any dtype; forced with tensor_cores=-1), several KV tiles and thread counts. Every case runs
 on the CPU emulator (target "emu", under the strict emulator's defaults: random fiber order) and,
 where the cuda backend and a GPU are present, on each GPU (targets "cuda:N"; without one they are
 not collected, so nothing is reported as skipped).

@@ -203,7 +203,7 @@ def test_last_config_reports_the_config_used():
 def test_gpu_tuning_picks_and_persists(monkeypatch, tmp_path):
     # Two candidates only (each one is a compile): the real benchmark path, the JSON entry,
     # and correctness of whichever config won.
-    monkeypatch.setenv("PAGED_OPS_TRITON_AUTOTUNE", "1")
+    monkeypatch.setenv("PAGED_OPS_AUTOTUNE", "1")
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
     candidates = [decode.default_config(128, F16),
                   {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 2.0}]

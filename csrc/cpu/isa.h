@@ -1,7 +1,7 @@
 // Runtime ISA dispatch for the cpu backend. csrc/cpu/kernels/*.cpp (and the headers they
 // include: attention.h, vec8.h, convert.h) are compiled once per instruction set, each time with
 // that ISA's flags and -DPAGED_CPU_ISA_NS=isa_<name>, so every build's functions, inline ones
-// included, live in their own namespace. csrc/cpu/dispatch.cpp (compiled with the baseline flags)
+// included, live in their own namespace. csrc/cpu/backend.cpp (compiled with the baseline flags)
 // picks one build at the first call by CPUID, or as PAGED_OPS_CPU_ISA says.
 //
 //   isa_portable     no -m flags: the same kernels' plain C++ branches (what aarch64 builds)
@@ -27,7 +27,7 @@
 
 namespace paged::cpu {
 
-// One ISA build's launchers: the cpu Target's (csrc/cpu/dispatch.cpp) while that build is active.
+// One ISA build's launchers: the cpu Target's (csrc/cpu/backend.cpp) while that build is active.
 struct IsaKernels {
   void (*attention)(const AttentionParams& p);
   void (*reshape_and_cache)(const ReshapeCacheParams& p, Stream stream);
@@ -48,7 +48,7 @@ PAGED_CPU_DECLARE_ISA(isa_amx)
 PAGED_CPU_DECLARE_ISA(isa_amx_emulated)
 #undef PAGED_CPU_DECLARE_ISA
 
-// The AMX model's test hooks (kernels/amx_emulated_probe.cpp; registered by dispatch.cpp).
+// The AMX model's test hooks (kernels/amx_emulated_probe.cpp; registered by backend.cpp).
 namespace isa_amx_emulated {
 std::string amx_emulated_fault_case(const std::string& name);
 at::Tensor amx_emulated_tdpbf16ps(const at::Tensor& c, const at::Tensor& a, const at::Tensor& b);

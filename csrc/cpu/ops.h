@@ -1,5 +1,5 @@
 // The cpu backend: C++/OpenMP kernels on the structs of csrc/kernels/params.h, the same the CUDA
-// kernels take (the one binding, csrc/cuda/binding.h, fills them from the tensors). Attention
+// kernels take (the one binding, csrc/binding.h, fills them from the tensors). Attention
 // computes in fp32 and keeps its running sums in fp64. Inputs are validated before they get here
 // (csrc/public/); semantics: paged_ops/reference.py.
 #pragma once

@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/binding.h"
+#include "binding.h"
 #include "cuda/tuning_candidates.h"
 #include "kernels/params.h"
 
@@ -294,7 +294,7 @@ inline std::vector<int64_t> tuned_config_of(at::IntArrayRef key) {
   return out;
 }
 
-// Defines them in the paged_cuda namespace (csrc/cuda/ops.cpp).
+// Defines them in the paged_cuda namespace (csrc/cuda/backend.cpp).
 inline void define_ops(torch::Library& m) {
   m.def("tuning_key(Tensor query, Tensor key_cache, Tensor block_tables, int max_seqlen_q, bool decode) -> int[]",
         &tuning_key);

@@ -583,7 +583,7 @@ void attention_rules() {
 
 }  // namespace
 
-// A fragment of the test namespace (csrc/cuda_emu/ops.cpp defines it): test-only ops live apart from the backend.
+// A fragment of the test namespace (csrc/cuda_emu/backend.cpp defines it): test-only ops live apart from the backend.
 TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("warp_ops(Tensor input) -> Tensor", &warp_ops);
   m.def("atomics(int blocks, int threads) -> float[]", &atomics);

@@ -7,7 +7,7 @@
 //     kEmuMerge (+ kEmuMergeStates) and kEmuCache;
 //     launches are synchronous.
 // Each launcher lives in the translation unit that compiles its kernels, so the big kernel sets
-// compile in parallel. The binding (csrc/cuda/binding.h) fills the parameters and the plan once and
+// compile in parallel. The binding (csrc/binding.h) fills the parameters and the plan once and
 // calls one build's launchers. No torch or CUDA types: a stream travels as paged::Stream (void*).
 #pragma once
 #include <cstdint>

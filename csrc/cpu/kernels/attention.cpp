@@ -1,5 +1,5 @@
 // attention for the cpu backend: the one launcher of decode and prefill (csrc/cpu/isa.h) on the
-// AttentionParams the binding filled (csrc/cuda/binding.h): the element types from the dtype
+// AttentionParams the binding filled (csrc/binding.h): the element types from the dtype
 // codes, then the core in attention.h (decode is prefill with one query token per sequence:
 // p.cu_seqlens_q null).
 // The AMX builds' tile kernels come first: bf16_dot.h's entry points call them.
@@ -7,21 +7,9 @@
 #include "cpu/attention.h"
 #include "cpu/isa.h"
 
-#include <numeric>
-#include <vector>
-
 namespace paged::cpu::PAGED_CPU_ISA_NS {
 
-void attention(const AttentionParams& given) {
-  // TRANSITION (issue #26, the cpu core's step 2 removes it): the core still reads cu_seqlens_q
-  // for decode; until it takes null as one row per sequence, decode's is made here.
-  std::vector<int32_t> one_row_each;
-  AttentionParams p = given;
-  if (p.cu_seqlens_q == nullptr) {
-    one_row_each.resize(size_t(p.num_seqs) + 1);
-    std::iota(one_row_each.begin(), one_row_each.end(), 0);
-    p.cu_seqlens_q = one_row_each.data();
-  }
+void attention(const AttentionParams& p) {
 #if defined(PAGED_CPU_AMX)
   amx_begin_call();  // every thread reloads its tile configuration in this call (amx_dot.h)
 #endif

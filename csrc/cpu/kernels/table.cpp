@@ -1,4 +1,4 @@
-// This ISA build's kernels, for csrc/cpu/dispatch.cpp's table.
+// This ISA build's kernels, for csrc/cpu/backend.cpp's table.
 #include "cpu/isa.h"
 
 namespace paged::cpu::PAGED_CPU_ISA_NS {

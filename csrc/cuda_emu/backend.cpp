@@ -1,13 +1,13 @@
 // Backend `cuda_emu`: the CUDA kernels run on CPU tensors by the emulator (csrc/emu/cuda_emu.h),
 // registered as torch.ops.paged_cuda_emu.* (CPU dispatch key) by the one registration
-// (csrc/registration.h) over the emulator's launchers (kernels_*.cpp); launches are synchronous,
+// (csrc/binding.h) over the emulator's launchers (kernels_*.cpp); launches are synchronous,
 // there is no stream, and the launch configuration is the kernels' default. Test-only ops (an
 // explicit launch configuration, the KV byte counter) are in the namespace paged_cuda_emu_test.
 #include <torch/library.h>
 
 #include <cstring>
 
-#include "registration.h"
+#include "binding.h"
 
 namespace paged {
 void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_decode.cpp

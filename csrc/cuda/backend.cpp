@@ -1,6 +1,6 @@
 // Backend `cuda`: the GPU kernels, as torch.ops.paged_cuda.* (CUDA dispatch key) and the test
 // namespace paged_cuda_test (an explicit launch configuration), through the one registration
-// (csrc/registration.h). What is this backend's own: where a call runs — the device guard, the
+// (csrc/binding.h). What is this backend's own: where a call runs — the device guard, the
 // launcher tables of the nvcc build, the current stream, the SM count and the tuned launch
 // configuration (csrc/cuda/tuning.h).
 // c10/cuda only: ATen/cuda/CUDAContext.h pulls in cuBLAS/cuSPARSE headers a minimal toolkit lacks.
@@ -12,7 +12,7 @@
 #include <atomic>
 
 #include "cuda/tuning.h"
-#include "registration.h"
+#include "binding.h"
 
 namespace paged_cuda {
 namespace {

@@ -1,4 +1,4 @@
-// Backend `cpu`: torch.ops.paged_cpu.* through the one registration (csrc/registration.h). What is
+// Backend `cpu`: torch.ops.paged_cpu.* through the one registration (csrc/binding.h). What is
 // this backend's own: its Target, the launchers of the active ISA build of the kernels
 // (csrc/cpu/isa.h) plus the kernels built once (merges, copy_blocks). The active build is the best
 // this CPU runs, chosen once at the first call, unless PAGED_OPS_CPU_ISA names another;
@@ -21,7 +21,7 @@
 #endif
 
 #include "cpu/isa.h"
-#include "registration.h"
+#include "binding.h"
 
 namespace paged::cpu {
 namespace {
