@@ -1,8 +1,9 @@
-"""Device helpers shared by the decode and prefill kernels."""
+"""Device helpers shared by the decode and prefill kernels: which keys a row sees (visible_keys),
+the walk over KV tiles (attend_tiles) and how a row ends (finish_rows, finish_and_store)."""
 import triton
 import triton.language as tl
 
-from ._common import LN2
+from ._common import LN2, LOG2E
 
 
 # fp8 cache formats (constexpr FP8_FORMAT); caches in these formats are passed as uint8 views.
@@ -28,6 +29,29 @@ def fp8_bits_to_float(x, FP8_FORMAT: tl.constexpr):
     else:
         half = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.float16, bitcast=True)
         return tl.where((x & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0)
+
+
+@triton.jit
+def visible_keys(pos, seq_len, causal, window_left, window_right,
+                 HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
+    """The keys [lo, hi] (inclusive; none when lo > hi) that the query row at position ``pos`` (=
+    seq_len - q_len + i) of a sequence of seq_len keys sees: the rule of
+    paged_ops.reference.attention, spelled visible_keys in csrc/attention_rules.h too.
+
+    lo = pos - window_left (HAS_WINDOW), at least 0, else 0; hi = pos if ``causal``, else
+    pos + window_right (HAS_WINDOW_RIGHT), at most seq_len - 1, else seq_len - 1. pos: a scalar
+    or [BLOCK_M]; causal: a constexpr or a runtime bool. A causal row with pos < 0 (more queries
+    than keys) and every row of seq_len 0 see nothing.
+    """
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window_left, 0)
+    else:
+        lo = 0
+    if HAS_WINDOW_RIGHT:
+        right = tl.minimum(pos + window_right, seq_len - 1)
+    else:
+        right = seq_len - 1
+    return lo, tl.where(causal, pos, right)
 
 
 @triton.jit
@@ -92,7 +116,7 @@ def _tanh_series(x2):
 def _tanh_far(x):
     """tanh(x) for |x| >= 0.55 as (1 - e^-2|x|) / (1 + e^-2|x|), which has no cancellation once
     e^-2|x| <= 1/3."""
-    t = tl.exp2(tl.abs(x) * -2.8853900817779268)  # e^(-2|x|): -2 / ln 2
+    t = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))  # e^(-2|x|)
     far = (1.0 - t) / (1.0 + t)
     return tl.where(x < 0, -far, far)
 
@@ -139,18 +163,19 @@ def score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION: tl.cons
 
 
 @triton.jit
-def online_softmax_step(s, s_mask, v, m_i, l_i, acc,
-                        COMPUTE_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                        ROUND_BF16: tl.constexpr, MAY_BE_EMPTY: tl.constexpr):
-    """One flash-attention step over a KV tile, in base 2.
+def online_softmax_weights(s, s_mask, m_i, l_i, COMPUTE_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                           MAY_BE_EMPTY: tl.constexpr):
+    """The softmax half of one flash-attention step over a KV tile, in base 2: (m_new, l_new,
+    alpha, p), after which acc = acc * alpha[:, None] + p @ v.
 
     s: [BLOCK_M, BLOCK_N] base-2 scores (score_tile, plus any bias), s_mask: [BLOCK_M, BLOCK_N]
-    (visible); v: [BLOCK_N, HEAD_PAD]; m_i, l_i: [BLOCK_M] running max / sum; acc: [BLOCK_M,
-    HEAD_PAD] fp32. ROUND_BF16: see round_to_bf16 (True only under the interpreter for bf16
+    (visible); m_i, l_i: [BLOCK_M] running max / sum; p: [BLOCK_M, BLOCK_N] in COMPUTE_DTYPE, the
+    dot's operand. ROUND_BF16: see round_to_bf16 (True only under the interpreter for bf16
     queries). Without MAY_BE_EMPTY every row must see at least one position in its first tile so
     m_i is finite after it: then hidden positions get p = exp2(-inf) = 0 exactly, and v is 0 (not
-    NaN) there. MAY_BE_EMPTY (sliding windows: a row's window may start tiles after its tile's
-    first row's) subtracts 0 instead of a still -inf max, so such rows keep m -inf, l 0, acc 0.
+    NaN) there. MAY_BE_EMPTY (masked tiles: a row's window may start tiles after its tile's first
+    row's, a row may see no key at all) subtracts 0 instead of a still -inf max, so such rows keep
+    m -inf, l 0, acc 0.
     """
     s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -165,32 +190,142 @@ def online_softmax_step(s, s_mask, v, m_i, l_i, acc,
         p_op = round_to_bf16(p)
     else:
         p_op = p.to(COMPUTE_DTYPE)
-    acc = acc * alpha[:, None] + tl.dot(p_op, v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return m_new, l_i, alpha, p_op
 
 
 @triton.jit
-def finish_rows(m_i, l_i, sink_log2, v_scale, HAS_SINKS: tl.constexpr):
-    """(factor, lse in base 2) that end rows: out = acc * factor[:, None].
+def attend_tiles(start, end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows, scores, kv, dims, dim_mask,
+                 KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                 HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The flash loop of decode and prefill: the KV tiles [start, end) (steps of BLOCK_N, keys
+    below kv_end) folded into the rows' running max m_i, sum l_i and accumulator acc ([BLOCK_M],
+    [BLOCK_M], [BLOCK_M, HEAD_PAD] fp32). Returns (m_i, l_i, acc, hidden_nonfinite).
 
-    m_i, l_i, sink_log2: [BLOCK_M]; v_scale: the row's dequantization scale of V (1.0 for
-    non-fp8 caches). HAS_SINKS: the sink (a logit with no value, base 2) joins the denominator
-    once, relative to the larger of it and the running max; as in the reference, a -inf sink is
-    no sink, a +inf sink gives out 0 and lse +inf, a NaN sink a NaN row. A row that saw no key
-    (l_i 0, m_i -inf) gets out 0 (not 0 / 0) and lse -inf, or the sink. Without sinks the factor
-    of a row with keys is v_scale / l_i, bit for bit as before the variants.
+    q: [BLOCK_M, HEAD_PAD] in COMPUTE_DTYPE; dims, dim_mask: [HEAD_PAD]. The tuples:
+      rows = (q_abs, alibi, seq_len, window_left, window_right, all_lo, all_hi): each row's position
+        p and ALiBi slope (base 2; unused without HAS_ALIBI) ([BLOCK_M] each), what visible_keys
+        needs besides them (with CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT; read by MASKED tiles only),
+        and the keys [all_lo, all_hi) every row sees;
+      scores = (qk_scale, softcap_log2, inv_softcap): see score_tile;
+      kv = (table_row, kv_head, k_cache_ptr, (k strides: block, token, head), v_cache_ptr, (v ...)).
+
+    Not MASKED (the fast path): every row sees every key of [start, min(end, kv_end)), and sees a
+    key in the range's first tile. MASKED: the tiles hold keys hidden from some row; each row's
+    visible_keys bounds that can cut a tile are compared (a left window; the causal diagonal or a
+    right window), rows may see nothing yet (MAY_BE_EMPTY), and a hidden
+    key's V must not reach a row that cannot see it: p = 0 there, but 0 * inf and 0 * NaN are NaN
+    in P @ V. So a key outside [all_lo, all_hi) whose V holds a non-finite value is read as 0 by
+    the dot, for every row, and counted in hidden_nonfinite: the caller adds p * v back for
+    exactly the rows that see it (prefill's _add_hidden_nonfinite_values). Finite values take the
+    plain path (0 * finite = 0 exactly), and so does a non-finite V every row sees.
+    """
+    q_abs, alibi, seq_len, window_left, window_right, all_lo, all_hi = rows
+    qk_scale, softcap_log2, inv_softcap = scores
+    table_row, kv_head, k_cache_ptr, k_strides, v_cache_ptr, v_strides = kv
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < kv_end
+        block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
+        k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                         k_strides[0], k_strides[1], k_strides[2], FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+        v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
+                         v_strides[0], v_strides[1], v_strides[2], FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
+        s = score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP)
+        if HAS_ALIBI:  # slope * (j - p)
+            s += alibi[:, None] * (pos[None, :] - q_abs[:, None]).to(tl.float32)
+        visible = valid[None, :]
+        if MASKED:
+            # Bounds formed here from q_abs, not carried through the loop: two more live [BLOCK_M]
+            # vectors made fp32 prefill with every variant spill on sm_80.
+            row_lo, row_hi = visible_keys(q_abs, seq_len, CAUSAL, window_left, window_right, HAS_WINDOW,
+                                          HAS_WINDOW_RIGHT)
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] >= row_lo[:, None])
+            if CAUSAL or HAS_WINDOW_RIGHT:
+                visible = visible & (pos[None, :] <= row_hi[:, None])
+        m_i, l_i, alpha, p = online_softmax_weights(s, visible, m_i, l_i, COMPUTE_DTYPE, ROUND_BF16, MASKED)
+        if MASKED:
+            nonfinite = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1) > 0  # [BLOCK_N]
+            bad = nonfinite & ((pos < all_lo) | (pos >= all_hi))  # hidden from some row (past kv_end: loaded 0)
+            v = tl.where(bad[:, None], 0.0, v).to(COMPUTE_DTYPE)
+        acc = acc * alpha[:, None]  # scaled before the count: that order took fewer registers (fp32, sm_80)
+        if MASKED:
+            hidden_nonfinite += tl.sum(bad.to(tl.int32), 0)
+        acc += tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc, hidden_nonfinite
+
+
+@triton.jit
+def join_sink(m, sink_log2):
+    """(m', w_sink): the running max ``m`` joined with a sink (a logit with no value, base 2),
+    and the sink's weight relative to it. As in the reference: a -inf sink is no sink, a NaN
+    sink leaves m' = m and makes its weight (so the row) NaN; m' is 0 where both are -inf (no
+    key, no sink: weights 0, not NaN), and the sink as the max weighs 1 exactly (exp2(inf - inf)
+    would be NaN for a +inf sink)."""
+    m = tl.where(sink_log2 > m, sink_log2, m)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    return m, tl.where(sink_log2 == m, 1.0, tl.exp2(sink_log2 - m))
+
+
+@triton.jit
+def row_lse(lse2, no_keys, sink, HAS_SINKS: tl.constexpr):
+    """The natural-log lse stored for a row whose base-2 lse is ``lse2``: a row without keys
+    (``no_keys``) has -inf there, or with HAS_SINKS the sink (natural) itself, not its round trip
+    through base 2."""
+    lse = lse2 * LN2
+    if HAS_SINKS:
+        lse = tl.where(no_keys, sink, lse)
+    return lse
+
+
+@triton.jit
+def finish_rows(m_i, l_i, sink, v_scale, HAS_SINKS: tl.constexpr):
+    """(factor, lse2, lse) that end rows: out = acc * factor[:, None], lse2 the base-2 lse, lse
+    the natural one to store (row_lse).
+
+    m_i, l_i, sink: [BLOCK_M] (sink: natural logits, read only with HAS_SINKS); v_scale: the
+    row's dequantization scale of V (1.0 for non-fp8 caches). HAS_SINKS: the sink joins the
+    denominator once (join_sink); a +inf sink gives out 0 and lse +inf, a NaN sink a NaN row. A
+    row that saw no key (l_i 0, m_i -inf) gets out 0 (not 0 / 0) and lse -inf, or the sink.
+    Without sinks the factor of a row with keys is v_scale / l_i, bit for bit as before the
+    variants.
     """
     if HAS_SINKS:
-        m = tl.where(sink_log2 > m_i, sink_log2, m_i)  # a NaN sink: m_i here, NaN through w_sink
-        m = tl.where(m == float("-inf"), 0.0, m)  # no key and a -inf sink: weights 0, not NaN
+        m, w_sink = join_sink(m_i, sink * LOG2E)
         alpha = tl.exp2(m_i - m)
-        # The sink as the max weighs 1 exactly: exp2(inf - inf) would be NaN for a +inf sink.
-        w_sink = tl.where(sink_log2 == m, 1.0, tl.exp2(sink_log2 - m))
         total = l_i * alpha + w_sink
         factor = tl.where(total == 0.0, 0.0, v_scale * alpha / total)
-        return factor, m + tl.log2(total)
+        lse2 = m + tl.log2(total)
     else:
-        return tl.where(l_i == 0.0, 0.0, v_scale / l_i), m_i + tl.log2(l_i)
+        factor = tl.where(l_i == 0.0, 0.0, v_scale / l_i)
+        lse2 = m_i + tl.log2(l_i)
+    return factor, lse2, row_lse(lse2, l_i == 0.0, sink, HAS_SINKS)
+
+
+@triton.jit
+def finish_and_store(acc, m_i, l_i, v_scale, out_ptr, out_rows, dims, out_mask, lse_ptr, lse_rows, sinks_ptr, heads,
+                     row_mask, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The epilogue of decode (unsplit) and prefill: ends the rows (finish_rows) and stores out at
+    out_ptr + out_rows[:, None] + dims[None, :] (out_mask) and, with WRITE_LSE, the natural lse at
+    lse_ptr + lse_rows (row_mask); the rows' sinks are sinks_ptr[heads] (read with HAS_SINKS).
+    out_rows, lse_rows, heads: [BLOCK_M] offsets. Returns the rows' base-2 lse.
+
+    Offsets, not pointer tensors: the [BLOCK_M, HEAD_PAD] 64-bit out pointers are formed once acc
+    is scaled, a live pointer tensor beside acc cost true-fp32 prefill 20 registers on sm_80."""
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0)
+    else:
+        sink = 0.0
+    factor, lse2, _ = finish_rows(m_i, l_i, sink, v_scale, HAS_SINKS)
+    out = acc * factor[:, None]
+    store_rows(out_ptr + out_rows[:, None] + dims[None, :], out, out_mask, ROUND_BF16)
+    if WRITE_LSE:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0)
+        tl.store(lse_ptr + lse_rows, row_lse(lse2, l_i == 0.0, sink, HAS_SINKS), mask=row_mask)
+    return lse2
 
 
 @triton.jit

@@ -21,11 +21,10 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, LN2, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
+from ._common import (INTERPRET, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, is_fp8, kv_view, next_pow2, num_sms, round_bf16, row_align, scale_arg,
                       tl_dtype, Variants)
-from ._tiles import (finish_rows, load_kv_tile, load_scale, locate_tokens, online_softmax_step, score_tile,
-                     store_rows)
+from ._tiles import attend_tiles, finish_and_store, join_sink, load_scale, row_lse, store_rows, visible_keys
 
 PLAIN = Variants()  # no variant: the plain kernel
 
@@ -46,36 +45,28 @@ def _find_row_sequence(cu_seqlens_q_ptr, num_seqs, row):
 
 
 @triton.jit
-def _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left, window_right,
-                VARLEN_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
+def _row_keys(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left, window_right,
+              VARLEN_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr):
     """(sequence, position p, first visible key, end of visible keys) of query row ``row``: the
-    keys [kv_lo, kv_hi) (empty when kv_lo >= kv_hi).
+    keys [kv_lo, kv_hi) of visible_keys (empty when kv_lo >= kv_hi).
 
-    Decode (VARLEN_ROWS False): row = sequence, p = seq_len - 1. VARLEN_ROWS (batch-invariant
-    mode, decode and prefill alike): rows are prefill rows, p = seq_len - q_len + i; a causal row
-    at p sees keys < p + 1, which makes it the decode of a sequence of p + 1 tokens, bit for bit;
-    a non-causal row sees up to p + window_right (HAS_WINDOW_RIGHT). A window starts the keys at
-    p - window_left. p < 0 (more queries than keys, causal) or seq_len 0: no key at all.
+    Decode (VARLEN_ROWS False): row = sequence, p = seq_len - 1, causal. VARLEN_ROWS
+    (batch-invariant mode, decode and prefill alike): rows are prefill rows, p = seq_len - q_len
+    + i, ``causal`` the call's (0 or 1); a causal row at p sees keys < p + 1, which makes it the
+    decode of a sequence of p + 1 tokens, bit for bit.
     """
     if VARLEN_ROWS:
         seq = _find_row_sequence(cu_seqlens_q_ptr, num_seqs, row).to(tl.int64)
         seq_len = tl.load(seq_lens_ptr + seq)
         pos = seq_len - (tl.load(cu_seqlens_q_ptr + seq + 1) - row)
-        if HAS_WINDOW_RIGHT:
-            right = tl.minimum(seq_len, pos + window_right + 1)
-        else:
-            right = seq_len
-        kv_hi = tl.where(causal != 0, pos + 1, right)
+        kv_lo, last = visible_keys(pos, seq_len, causal != 0, window_left, window_right, HAS_WINDOW,
+                                   HAS_WINDOW_RIGHT)
     else:
         seq = row
         seq_len = tl.load(seq_lens_ptr + seq)
         pos = seq_len - 1
-        kv_hi = seq_len
-    if HAS_WINDOW:
-        kv_lo = tl.maximum(pos - window_left, 0)
-    else:
-        kv_lo = 0
-    return seq, pos, kv_lo, kv_hi
+        kv_lo, last = visible_keys(pos, seq_len, True, window_left, window_right, HAS_WINDOW, False)
+    return seq, pos, kv_lo, last + 1
 
 
 # Arguments that change from step to step of a serving engine are not specialized: Triton
@@ -108,8 +99,8 @@ def _decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP_SIZE
-    seq, pos_q, kv_lo, kv_hi = _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
-                                           window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
+    seq, pos_q, kv_lo, kv_hi = _row_keys(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
+                                         window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
     # Partitions cover the visible keys only: a window skips every block before it. Every key of
     # [start, end) is visible to every row of the program (they are one query token's heads), so
     # a hidden key's K or V is never even loaded (masked loads give 0 past end).
@@ -136,25 +127,21 @@ def _decode_kernel(
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, seq, kv_head, k_scale_seq_stride, k_scale_head_stride)
     if HAS_ALIBI:  # slope * (j - p) in base 2: [BLOCK_M]
         alibi = tl.load(alibi_slopes_ptr + heads, mask=row_mask, other=0.0) * LOG2E
+    else:
+        alibi = 0.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    table_row = block_tables_ptr + seq * block_table_stride
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
-        k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        s = score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP)
-        if HAS_ALIBI:
-            s += alibi[:, None] * (pos - pos_q).to(tl.float32)[None, :]
-        # Every position of [start, end) is visible to the row: its first tile is never empty.
-        m_i, l_i, acc = online_softmax_step(s, valid[None, :], v, m_i, l_i, acc,
-                                            COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, False)
+    # Every position of [start, end) is visible to every row (one query token's heads): the fast
+    # path, whose first tile is never empty.
+    rows_keys = (pos_q + tl.zeros([BLOCK_M], tl.int32), alibi, 0, window_left, window_right, kv_lo, kv_hi)
+    kv = (block_tables_ptr + seq * block_table_stride, kv_head, k_cache_ptr, (k_stride_block, k_stride_token,
+          k_stride_head), v_cache_ptr, (v_stride_block, v_stride_token, v_stride_head))
+    m_i, l_i, acc, _ = attend_tiles(start, end, end, m_i, l_i, acc, 0, q, rows_keys,
+                                    (qk_scale, softcap_log2, inv_softcap), kv, dims, dim_mask,
+                                    KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN,
+                                    HAS_SOFTCAP, HAS_ALIBI, False, True, HAS_WINDOW, False, BLOCK_N)
 
     out_mask = row_mask[:, None] & dim_mask[None, :]
     v_scale = load_scale(v_scale_ptr, seq, kv_head, v_scale_seq_stride, v_scale_head_stride)
@@ -166,19 +153,10 @@ def _decode_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
-        if HAS_SINKS:
-            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
-        else:
-            sink = 0.0
-        factor, lse2 = finish_rows(m_i, l_i, sink, v_scale, HAS_SINKS)
-        out = acc * factor[:, None]
+        # lse: [rows, num_heads] float32, natural log
         out_rows = tl.multiple_of(row * o_stride_token + heads * o_stride_head, ROW_ALIGN)
-        store_rows(out_ptr + out_rows[:, None] + dims[None, :], out, out_mask, ROUND_BF16)
-        if WRITE_LSE:  # lse: [rows, num_heads] float32, natural log
-            lse_nat = lse2 * LN2
-            if HAS_SINKS:  # a row without keys: the sink itself, not its round trip through base 2
-                lse_nat = tl.where(l_i == 0.0, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0), lse_nat)
-            tl.store(lse_ptr + row * num_heads + heads, lse_nat, mask=row_mask)
+        finish_and_store(acc, m_i, l_i, v_scale, out_ptr, out_rows, dims, out_mask, lse_ptr, row * num_heads + heads,
+                         sinks_ptr, heads, row_mask, HAS_SINKS, WRITE_LSE, ROUND_BF16)
 
 
 @triton.jit(do_not_specialize=["partition_size", "num_splits", "num_seqs", "row_offset", "causal", "window_left",
@@ -197,8 +175,8 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
     row = row_offset + local_row
     head = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1)
-    _, _, kv_lo, kv_hi = _row_extent(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
-                                     window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
+    _, _, kv_lo, kv_hi = _row_keys(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
+                                   window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
     num_parts = tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), partition_size)  # 0 for a row without keys
     first = (local_row * num_heads + head) * num_splits  # part_lse / part_out row of split 0
     chunk = tl.arange(0, SPLIT_CHUNK)
@@ -207,11 +185,13 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
         lse = tl.load(part_lse_ptr + first + c + chunk, mask=c + chunk < num_parts, other=float("-inf"))
         lse_max = tl.maximum(lse_max, lse)
     m = tl.max(lse_max, 0)
-    if HAS_SINKS:  # the sink (base 2) joins the denominator once, here (finish_rows' rules)
-        sink = tl.load(sinks_ptr + head) * LOG2E
-        m = tl.where(sink > m, sink, m)
-    # No partition (a row without keys) and no finite sink: weights 0, not exp2(-inf - -inf).
-    m = tl.where(m == float("-inf"), 0.0, m)
+    if HAS_SINKS:  # the sink joins the denominator once, here (finish_rows' rules)
+        sink = tl.load(sinks_ptr + head)
+        m, w_sink = join_sink(m, sink * LOG2E)
+    else:
+        sink = 0.0
+        # No partition (a row without keys): weights 0, not exp2(-inf - -inf).
+        m = tl.where(m == float("-inf"), 0.0, m)
     dims = tl.arange(0, HEAD_PAD)
     dim_mask = dims < HEAD_SIZE
     weight_sum = tl.zeros([SPLIT_CHUNK], tl.float32)
@@ -226,16 +206,13 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
         acc += tl.sum(parts * w[:, None], 0)
     total = tl.sum(weight_sum, 0)
     if HAS_SINKS:
-        total += tl.where(sink == m, 1.0, tl.exp2(sink - m))  # a +inf sink weighs 1, not NaN
+        total += w_sink
     # total 0: no key and no sink weight, out 0 and lse -inf.
     merged = tl.where(total == 0.0, 0.0, acc / total)
     store_rows(out_ptr + row * o_stride_token + head * o_stride_head + dims, merged, dim_mask,
                ROUND_BF16)
     if WRITE_LSE:
-        lse_nat = (m + tl.log2(total)) * LN2
-        if HAS_SINKS:  # a row without keys: the sink itself, not its round trip through base 2
-            lse_nat = tl.where(num_parts <= 0, tl.load(sinks_ptr + head), lse_nat)
-        tl.store(lse_ptr + row * num_heads + head, lse_nat)
+        tl.store(lse_ptr + row * num_heads + head, row_lse(m + tl.log2(total), num_parts <= 0, sink, HAS_SINKS))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -425,7 +402,7 @@ BATCH_INVARIANT_SCRATCH_BYTES = 256 << 20
 def run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q, causal, scale,
              k_scale, v_scale, variants: Variants = PLAIN, config: dict | None = None) -> int:
     """The batch-invariant path of decode and prefill: each query row (token) is one decode-style
-    row (_row_extent) over fixed partitions of BATCH_INVARIANT_PARTITION keys, then the reduce.
+    row (_row_keys) over fixed partitions of BATCH_INVARIANT_PARTITION keys, then the reduce.
     The default config of the shapes, never a tuned one (``config`` only for tests). Returns the
     split count of the grid (the rows' own partition counts depend on each row alone)."""
     num_rows, num_heads, head_size = query.shape

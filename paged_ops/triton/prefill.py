@@ -25,11 +25,11 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, LN2, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
+from ._common import (INTERPRET, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
                       fp8_format, head_pad, is_fp8, kv_view, next_pow2, round_bf16, row_align, scale_arg, tl_dtype,
                       Variants)
-from ._tiles import (FP8_NONE, finish_rows, fp8_bits_to_float, load_kv_tile, load_scale, locate_tokens,
-                     online_softmax_step, round_to_bf16, score_tile, soft_cap, store_rows)
+from ._tiles import (FP8_NONE, attend_tiles, finish_and_store, fp8_bits_to_float, load_scale, soft_cap,
+                     store_rows, visible_keys)
 from . import decode
 from .decode import PLAIN
 
@@ -49,93 +49,32 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
-             window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
-             k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-             KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr, CAUSAL: tl.constexpr,
-             HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-             HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """One KV tile of the flash loop. q_abs: [BLOCK_M] each row's position p in the sequence;
-    [all_lo, all_hi): the keys every row of the query tile sees.
-
-    Not MASKED (the fast path): every row sees every key of the tile below kv_end.
-    MASKED: the tile holds keys hidden from some row (the causal diagonal, a window's edges).
-    Rows may see nothing yet (m -inf: 0 is subtracted instead), and a hidden key's V must not
-    reach a row that cannot see it: p = 0 there, but 0 * inf and 0 * NaN are NaN in P @ V. So a
-    key outside [all_lo, all_hi) whose V holds a non-finite value is read as 0 by the dot, for
-    every row, and counted (the returned num_bad): _add_hidden_nonfinite_values adds p * v for
-    exactly the rows that see it after the loop. Finite values take the plain path (0 * finite =
-    0 exactly), and so does a non-finite V every row sees.
-    """
-    pos = tile_start + tl.arange(0, BLOCK_N)
-    valid = pos < kv_end
-    block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
-    k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                     k_stride_block, k_stride_token, k_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-    v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                     v_stride_block, v_stride_token, v_stride_head, FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-    s = score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP)
-    if HAS_ALIBI:
-        s += alibi[:, None] * (pos[None, :] - q_abs[:, None]).to(tl.float32)
-    if MASKED:
-        visible = valid[None, :]
-        if CAUSAL:
-            visible = visible & (pos[None, :] <= q_abs[:, None])
-        elif HAS_WINDOW_RIGHT:
-            visible = visible & (pos[None, :] <= q_abs[:, None] + window_right)
-        if HAS_WINDOW:
-            visible = visible & (pos[None, :] >= q_abs[:, None] - window_left)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if ROUND_BF16:  # interpreter, bf16 query: the GPU's bf16 P operand
-            p_op = round_to_bf16(p)
-        else:
-            p_op = p.to(COMPUTE_DTYPE)
-        nonfinite = tl.max(tl.where(tl.abs(v.to(tl.float32)) < float("inf"), 0, 1), 1) > 0  # [BLOCK_N]
-        bad = nonfinite & ((pos < all_lo) | (pos >= all_hi))  # hidden from some row (past kv_end: loaded 0)
-        v = tl.where(bad[:, None], 0.0, v).to(COMPUTE_DTYPE)
-        acc = acc * alpha[:, None]
-        num_bad = tl.sum(bad.to(tl.int32), 0)
-        acc += tl.dot(p_op, v, input_precision=DOT_PRECISION)
-    else:
-        m_i, l_i, acc = online_softmax_step(s, valid[None, :], v, m_i, l_i, acc, COMPUTE_DTYPE, DOT_PRECISION,
-                                            ROUND_BF16, False)
-        m_new = m_i
-        num_bad = 0
-    return m_new, l_i, acc, num_bad
-
-
-@triton.jit
-def _add_hidden_nonfinite_values(lo, hi, all_lo, all_hi, out_ptr, out_offs, io_mask, lse2, v_scale, q, q_abs, alibi,
-                                 qk_scale, softcap_log2, inv_softcap, window_left, window_right, table_row,
-                                 k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask, k_stride_block, k_stride_token,
-                                 k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-                                 KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-                                 ROUND_BF16: tl.constexpr, CAUSAL: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                                 HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, HAS_ALIBI: tl.constexpr):
+def _add_hidden_nonfinite_values(lo, hi, out_ptr, out_offs, io_mask, lse2, v_scale, q, rows, scores, kv, dims,
+                                 dim_mask, KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr,
+                                 COMPUTE_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                                 HAS_ALIBI: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                                 HAS_WINDOW_RIGHT: tl.constexpr):
     """Adds to the stored rows p * v (IEEE) of every key in [lo, hi) that is hidden from some
     row and holds a non-finite V (the keys the masked tiles read as 0), for exactly the rows that
     see it; p = exp2(s - lse) * v_scale, the weight the row's normalized output gives the key.
-    Runs only when the loop met such a key, after the rows are stored, one key at a time: the KV
-    loop's registers stay those of the plain step (an accumulator carried into this pass made
-    true-fp32 kernels spill)."""
+    rows, scores, kv: attend_tiles' tuples. Runs only when the loop met such a key, after the
+    rows are stored, one key at a time: the KV loop's registers stay those of the plain step (an
+    accumulator carried into this pass made true-fp32 kernels spill)."""
+    q_abs, alibi, seq_len, window_left, window_right, all_lo, all_hi = rows
+    qk_scale, softcap_log2, inv_softcap = scores
+    table_row, kv_head, k_cache_ptr, k_strides, v_cache_ptr, v_strides = kv
     for j in range(lo, hi):
         block_j = tl.load(table_row + j // KV_BLOCK_SIZE).to(tl.int64)
         offset_j = block_j * 0 + j % KV_BLOCK_SIZE  # int64 (j is a plain int under the interpreter)
-        v_j = tl.load(v_cache_ptr + block_j * v_stride_block + offset_j * v_stride_token
-                      + kv_head.to(tl.int64) * v_stride_head + dims, mask=dim_mask, other=0)
+        v_j = tl.load(v_cache_ptr + block_j * v_strides[0] + offset_j * v_strides[1]
+                      + kv_head.to(tl.int64) * v_strides[2] + dims, mask=dim_mask, other=0)
         if FP8_FORMAT != FP8_NONE:
             v_j = fp8_bits_to_float(v_j, FP8_FORMAT)
         v_j = v_j.to(COMPUTE_DTYPE).to(tl.float32)
         bad = (tl.max(tl.where(tl.abs(v_j) < float("inf"), 0, 1), 0) > 0) & ((j < all_lo) | (j >= all_hi))
         if bad:
-            k_j = tl.load(k_cache_ptr + block_j * k_stride_block + offset_j * k_stride_token
-                          + kv_head.to(tl.int64) * k_stride_head + dims, mask=dim_mask, other=0)
+            k_j = tl.load(k_cache_ptr + block_j * k_strides[0] + offset_j * k_strides[1]
+                          + kv_head.to(tl.int64) * k_strides[2] + dims, mask=dim_mask, other=0)
             if FP8_FORMAT != FP8_NONE:
                 k_j = fp8_bits_to_float(k_j, FP8_FORMAT)
             s_j = tl.sum(q.to(tl.float32) * k_j.to(COMPUTE_DTYPE).to(tl.float32)[None, :], 1) * qk_scale
@@ -143,17 +82,13 @@ def _add_hidden_nonfinite_values(lo, hi, all_lo, all_hi, out_ptr, out_offs, io_m
                 s_j = soft_cap(s_j, softcap_log2, inv_softcap)
             if HAS_ALIBI:
                 s_j += alibi * (j - q_abs).to(tl.float32)
-            sees_j = q_abs == q_abs  # [BLOCK_M], all True; the rows' own limits below
-            if CAUSAL:
-                sees_j = sees_j & (j <= q_abs)
-            elif HAS_WINDOW_RIGHT:
-                sees_j = sees_j & (j <= q_abs + window_right)
-            if HAS_WINDOW:
-                sees_j = sees_j & (j >= q_abs - window_left)
+            row_lo, row_hi = visible_keys(q_abs, seq_len, CAUSAL, window_left, window_right, HAS_WINDOW,
+                                          HAS_WINDOW_RIGHT)
+            sees_j = (row_lo <= j) & (j <= row_hi)  # [BLOCK_M]
             p_j = tl.exp2(s_j - lse2) * v_scale
-            rows = tl.load(out_ptr + out_offs[:, None] + dims[None, :], mask=io_mask, other=0.0).to(tl.float32)
-            rows += tl.where(sees_j[:, None], p_j[:, None] * v_j[None, :], 0.0)
-            store_rows(out_ptr + out_offs[:, None] + dims[None, :], rows, io_mask, ROUND_BF16)
+            out_rows = tl.load(out_ptr + out_offs[:, None] + dims[None, :], mask=io_mask, other=0.0).to(tl.float32)
+            out_rows += tl.where(sees_j[:, None], p_j[:, None] * v_j[None, :], 0.0)
+            store_rows(out_ptr + out_offs[:, None] + dims[None, :], out_rows, io_mask, ROUND_BF16)
 
 
 # The batch size and the block-table width change from step to step of a serving engine: not
@@ -209,27 +144,18 @@ def _prefill_kernel(
     else:
         alibi = 0.0
 
-    # The keys some row of the tile sees, [kv_start, kv_end), and those every row sees,
-    # [all_lo, all_hi), from its first and last rows' positions: tiles outside the first are never
-    # read (the cost follows the windows and the diagonal, not the context), tiles inside the
-    # second take the unmasked fast path.
+    # The keys some row of the tile sees, [kv_start, kv_end), and those every row sees, [all_lo,
+    # all_hi), from its first and last rows' visible_keys (the bounds grow with the position):
+    # tiles outside the first are never read (the cost follows the windows and the diagonal, not
+    # the context), tiles inside the second take the unmasked fast path.
     p_first = context + q_tile_start
     p_last = context + tl.minimum(q_tile_start + BLOCK_Q, q_len) - 1
-    if CAUSAL:
-        kv_end = tl.minimum(seq_len, p_last + 1)
-        all_hi = p_first + 1
-    elif HAS_WINDOW_RIGHT:
-        kv_end = tl.minimum(seq_len, p_last + window_right + 1)
-        all_hi = p_first + window_right + 1
-    else:
-        kv_end = seq_len
-        all_hi = seq_len
-    if HAS_WINDOW:
-        kv_start = tl.maximum(p_first - window_left, 0)
-        all_lo = tl.maximum(p_last - window_left, 0)
-    else:
-        kv_start = 0
-        all_lo = 0
+    kv_start, first_hi = visible_keys(p_first, seq_len, CAUSAL, window_left, window_right, HAS_WINDOW,
+                                      HAS_WINDOW_RIGHT)
+    all_lo, last_hi = visible_keys(p_last, seq_len, CAUSAL, window_left, window_right, HAS_WINDOW,
+                                   HAS_WINDOW_RIGHT)
+    kv_end = last_hi + 1
+    all_hi = first_hi + 1
     num_tiles = tl.cdiv(tl.maximum(kv_end - kv_start, 0), BLOCK_N)
     head_tiles = tl.minimum(tl.cdiv(tl.maximum(all_lo - kv_start, 0), BLOCK_N), num_tiles)
     full_tiles = tl.where(kv_end <= all_hi, num_tiles,
@@ -240,65 +166,46 @@ def _prefill_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
-    table_row = block_tables_ptr + seq * block_table_stride
+    rows_keys = (q_abs, alibi, seq_len, window_left, window_right, all_lo, all_hi)
+    scores = (qk_scale, softcap_log2, inv_softcap)
+    kv = (block_tables_ptr + seq * block_table_stride, kv_head, k_cache_ptr, (k_stride_block, k_stride_token,
+          k_stride_head), v_cache_ptr, (v_stride_block, v_stride_token, v_stride_head))
     hidden_nonfinite = 0  # keys hidden from some row with a non-finite V, read as 0 by the loop
     if FAST_TILES:
         # Tiles before the last row's window starts (only with a window), tiles every row sees
         # whole (the fast path), tiles past the first row's last key (the causal diagonal, the
         # right window's edge).
         if HAS_WINDOW:
-            for tile_start in range(kv_start, head_end, BLOCK_N):
-                m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
-                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
-                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
-                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, True, BLOCK_N)
-                hidden_nonfinite += n
-        for tile_start in range(head_end, full_end, BLOCK_N):
-            m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
-                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
-                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
-                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, False, BLOCK_N)
+            m_i, l_i, acc, hidden_nonfinite = attend_tiles(
+                kv_start, head_end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows_keys, scores, kv, dims, dim_mask,
+                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, HAS_SOFTCAP,
+                HAS_ALIBI, True, CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT, BLOCK_N)
+        m_i, l_i, acc, hidden_nonfinite = attend_tiles(
+            head_end, full_end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows_keys, scores, kv, dims, dim_mask,
+            KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, HAS_SOFTCAP,
+            HAS_ALIBI, False, CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT, BLOCK_N)
         if CAUSAL or HAS_WINDOW_RIGHT:
-            for tile_start in range(full_end, kv_end, BLOCK_N):
-                m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
-                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
-                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
-                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, True, BLOCK_N)
-                hidden_nonfinite += n
+            m_i, l_i, acc, hidden_nonfinite = attend_tiles(
+                full_end, kv_end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows_keys, scores, kv, dims, dim_mask,
+                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, HAS_SOFTCAP,
+                HAS_ALIBI, True, CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT, BLOCK_N)
     else:
         # One loop, every tile masked: true-fp32 (FMA) dots keep their registers only so.
-        for tile_start in range(kv_start, kv_end, BLOCK_N):
-            m_i, l_i, acc, n = _kv_tile(tile_start, kv_end, all_lo, all_hi, m_i, l_i, acc, q, q_abs, alibi, qk_scale, softcap_log2, inv_softcap,
-                window_left, window_right, table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask,
-                k_stride_block, k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-                KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, CAUSAL, HAS_SOFTCAP,
-                HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI, True, BLOCK_N)
-            hidden_nonfinite += n
+        m_i, l_i, acc, hidden_nonfinite = attend_tiles(
+            kv_start, kv_end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows_keys, scores, kv, dims, dim_mask,
+            KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN, HAS_SOFTCAP,
+            HAS_ALIBI, True, CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT, BLOCK_N)
 
-    if HAS_SINKS:
-        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * LOG2E
-    else:
-        sink = 0.0
+    # rows without keys: out 0, lse -inf (or the sink); lse: [total_q, num_heads] float32, natural log
     v_scale = load_scale(v_scale_ptr, seq, kv_head, v_scale_seq_stride, v_scale_head_stride)
-    factor, lse2 = finish_rows(m_i, l_i, sink, v_scale, HAS_SINKS)  # rows without keys: out 0, lse -inf
-    out = acc * factor[:, None]
     out_offs = tl.multiple_of(q_rows * o_stride_token + heads * o_stride_head, ROW_ALIGN)
-    store_rows(out_ptr + out_offs[:, None] + dims[None, :], out, io_mask, ROUND_BF16)
-    if WRITE_LSE:  # lse: [total_q, num_heads] float32, natural log
-        lse_nat = lse2 * LN2
-        if HAS_SINKS:  # a row without keys: the sink itself, not its round trip through base 2
-            lse_nat = tl.where(l_i == 0.0, tl.load(sinks_ptr + heads, mask=row_mask, other=0.0), lse_nat)
-        tl.store(lse_ptr + q_rows * (tl.num_programs(1) * GROUP_SIZE) + heads, lse_nat, mask=row_mask)
+    lse2 = finish_and_store(acc, m_i, l_i, v_scale, out_ptr, out_offs, dims, io_mask,
+                            lse_ptr, q_rows * (tl.num_programs(1) * GROUP_SIZE) + heads, sinks_ptr, heads, row_mask,
+                            HAS_SINKS, WRITE_LSE, ROUND_BF16)
     if hidden_nonfinite > 0:  # poisoned or overflowed values only
-        _add_hidden_nonfinite_values(kv_start, kv_end, all_lo, all_hi, out_ptr, out_offs, io_mask, lse2, v_scale, q,
-                                     q_abs, alibi, qk_scale, softcap_log2, inv_softcap, window_left, window_right,
-                                     table_row, k_cache_ptr, v_cache_ptr, kv_head, dims, dim_mask, k_stride_block,
-                                     k_stride_token, k_stride_head, v_stride_block, v_stride_token, v_stride_head,
-                                     KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, ROUND_BF16, CAUSAL, HAS_SOFTCAP,
-                                     HAS_WINDOW, HAS_WINDOW_RIGHT, HAS_ALIBI)
+        _add_hidden_nonfinite_values(kv_start, kv_end, out_ptr, out_offs, io_mask, lse2, v_scale, q, rows_keys,
+                                     scores, kv, dims, dim_mask, KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE,
+                                     ROUND_BF16, HAS_SOFTCAP, HAS_ALIBI, CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT)
 
 
 def fast_tiles(query_dtype: torch.dtype) -> bool:
@@ -360,8 +267,10 @@ def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype 
         return config
     pad = head_pad(head_size)
     fp8_cache = cache_dtype is not None and is_fp8(cache_dtype)
-    if dtype == torch.float32 and not fp8_cache and pad <= 128:
-        config["BLOCK_M"] = 32  # 64 x 16 tiles instead still spilled 12 B at head 64 on sm_90
+    if dtype == torch.float32 and not fp8_cache:
+        # 64 x 16 tiles spilled 12 B at head 64 on sm_90; with the one tile loop (attend_tiles) 32 x 16
+        # spilled 8-12 B with every variant at head 64 (sm_80, sm_90) and 256 (sm_90), 16 x 16 nowhere
+        config["BLOCK_M"] = 16
     elif dtype != torch.float32 and fp8_cache and pad <= 128:
         config["num_warps"] = 8
         config["BLOCK_N"] = min(config["BLOCK_N"], 32)
