@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
@@ -97,9 +98,21 @@ def headline_case(profile: str) -> Case:
 MERGED_STATES = 4  # merge_states' partial results per row
 
 
+def device_check_cases() -> list[Case]:
+    """The device check's headline shapes (bench/headline.py's HEADLINE_SHAPES, the one definition),
+    each a one-point block sweep at block 16: bench/test_references.py times FlexAttention on the
+    block-16 points of decode's block sweeps and SDPA flash on prefill's, so every headline shape
+    gets its reference beside it."""
+    from bench.headline import HEADLINE_SHAPES
+    return [Case(sweep="block_size", **fields) for _, _, fields in HEADLINE_SHAPES]
+
+
 def cases(profile: str) -> list[Case]:
-    """Every timed case of a profile: 'cpu' (make bench here), 'gpu' and 'cpu-small' (device_check.sh),
-    'smoke' (tests/test_bench_smoke.py)."""
+    """Every timed case of a profile: 'cpu' (make bench here), 'device-check' (device_check.sh on a
+    GPU: the headline shapes only), 'gpu' (the GPU sweeps), 'cpu-small' (device_check.sh without a
+    GPU), 'smoke' (tests/test_bench_smoke.py)."""
+    if profile == "device-check":
+        return device_check_cases()
     dec = headline_case(profile)
     if profile == "smoke":
         small = dict(num_heads=4, num_kv_heads=2, head_size=32, num_seqs=2, context_len=64)
@@ -152,7 +165,9 @@ def timed_backends() -> tuple[list[str], dict[str, str]]:
     are correctness tools: their times say nothing about the kernels."""
     timed, excluded = [], {}
     for name in paged_ops.available_backends():
-        if name == "cuda_emu":
+        if name == "cpu" and default_profile() == "device-check":
+            excluded[name] = "not timed in the device-check profile (its shapes are the GPU's headline)"
+        elif name == "cuda_emu":
             excluded[name] = CORRECTNESS_ONLY["cuda_emu"]
         elif name == "triton" and (os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()):
             excluded[name] = CORRECTNESS_ONLY["triton-interpreter"]
@@ -172,15 +187,42 @@ def kernel(backend: str, op: str) -> Callable:
     return paged_ops.backend(backend).unchecked(op)
 
 
+# Seconds of tuning this process may still spend (PAGED_BENCH_TUNE_S; unset: no limit). The
+# device check has one 10-minute command: the Triton tuner compiles every candidate of every new
+# shape bucket, which unbounded could take the benchmark's whole budget.
+_tuning = {"spent_s": 0.0, "last": {}}
+
+
+def tune_budget_s() -> float:
+    v = os.environ.get("PAGED_BENCH_TUNE_S")
+    return float(v) if v not in (None, "") else math.inf
+
+
 def tune(backend: str, op: str, args: tuple) -> None:
     """Let the backend pick its launch configuration for this shape before timing: the cuda
     backend tunes attention only when asked (paged_ops.tuning.tune_cuda_*, persisted per shape
-    bucket); the triton backend tunes by itself on a shape's first call (the untimed validation
-    call)."""
-    if backend != "cuda" or op not in ("decode_attention", "prefill_attention"):
+    bucket); the triton backend tunes by itself on a shape's first call, made here once.
+
+    Bounded by PAGED_BENCH_TUNE_S, the seconds of tuning in this process: once spent, the
+    remaining shapes run their backend's default config (PAGED_OPS_AUTOTUNE=0 from then on, the
+    tuner's own switch). A tuning already started runs to its end, so the budget can be overrun by
+    one shape's sweep. What each shape got is in its row's ``tuning`` field (record)."""
+    if backend not in ("cuda", "triton") or op not in ("decode_attention", "prefill_attention"):
         return
     from paged_ops import tuning
-    getattr(tuning, "tune_cuda_" + op.split("_")[0])(*args, force=True)
+    if _tuning["spent_s"] >= tune_budget_s():
+        os.environ["PAGED_OPS_AUTOTUNE"] = "0"
+        _tuning["last"][(backend, op)] = "not tuned here (tuning budget spent)"
+        return
+    t = time.perf_counter()
+    if backend == "cuda":
+        getattr(tuning, "tune_cuda_" + op.split("_")[0])(*args, force=True)
+    else:
+        validated_kernel(backend, op)(*args)
+        torch.cuda.synchronize()
+    _tuning["spent_s"] += time.perf_counter() - t
+    last = tuning.last_config(backend, op) or {}
+    _tuning["last"][(backend, op)] = last.get("source", "?")
 
 
 def validated_kernel(backend: str, op: str) -> Callable:
@@ -322,6 +364,8 @@ def record(case: Case, backend: str, seconds: float, rounds: int, num_sets: int)
     r = asdict(case) | {"backend": backend, "group": case.group, "id": case.id,
                         "seconds": seconds, "rounds": rounds, "input_sets": num_sets,
                         "bytes": bytes_moved(case), "flops": flops(case)}
+    if (backend, case.op) in _tuning["last"]:  # the config's origin: tuned / cache / memo / default
+        r["tuning"] = _tuning["last"][(backend, case.op)]
     if backend == "cpu":  # which build of the cpu kernels (csrc/cpu/isa.h) the time is of, on how many threads
         from bench.common import cpu_isa
         r["cpu_isa"], r["threads"] = cpu_isa(), torch.get_num_threads()
