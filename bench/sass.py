@@ -1,0 +1,504 @@
+"""Static cost report of the CUDA kernels, read from their compiled SASS (issue #23 item 1).
+
+    python -m bench.sass [--so PATH] [--arch sm_80,sm_90] [--json OUT] [--md OUT] [--full] [--anchors]
+
+For every kernel the extension's fatbinary holds, per arch: registers, stack / local (spill) bytes,
+static shared memory (`cuobjdump -res-usage`), the dynamic shared memory and block size of its launch
+(the LAUNCH table below, transcribed from csrc/kernels/plan.h at a reference shape), occupancy at that
+launch, the instruction mix by opcode family (`cuobjdump --dump-sass`), and for the attention kernels
+the main KV loop and the bandwidth ceilings it gives. `--anchors` reports FlashInfer's paged decode /
+prefill and FlashAttention-2's forward kernels the same way (bench/sass_anchor_build.py compiles them).
+
+The model (everything below is static; each number is an estimate of a ceiling, not a measurement):
+- Occupancy: the CUDA occupancy calculator's rules with the limits of the CUDA C++ Programming
+  Guide's "Technical Specifications per Compute Capability" table: 64 K registers per SM, allocated
+  per warp in units of 256; at most 2048 threads (64 warps) and 32 blocks per SM; shared memory
+  228 KiB per SM on 9.0 (227 KiB per block), 164 KiB on 8.0 (163 KiB per block), plus 1 KiB
+  reserved per block. sm_90 code is rated on an H200 (H100's SM), sm_80 on an A100.
+- Main KV loop: every backward branch closes a loop [target, branch]. The main loop is the
+  innermost one holding at least half the global-load bytes of the loop that holds the most; loops
+  nested inside it count once (their trip count is not static). Bytes per iteration per warp:
+  LDG / LDGSTS width (.128 = 16 B, .64 = 8, plain = 4, .U16 / .S16 = 2, .U8 / .S8 = 1) x 32 lanes
+  (x 1 when the address is a uniform register only). TMA copies (UTMALDG) have a run-time box and
+  are counted, not sized.
+- Issue ceiling: an SM issues at most 4 warp-instructions per clock (4 schedulers, Hopper tuning
+  guide / H100 whitepaper); at 1.98 GHz boost on 132 SMs (H200 product brief) a loop of I
+  instructions moving B bytes per warp can request at most 132 * 4 * 1.98e9 * B / I bytes/s.
+- Little's law ceiling: bytes in flight per warp = the most bytes the loop has requested and not yet
+  waited for, followed through two iterations: an LDG until the first instruction that waits on its
+  scoreboard (the control bits of the SASS), LDGSTS until `DEPBAR.LE SB0, N` retires its commit
+  group; bandwidth = resident warps per SM * 132 * bytes in flight per warp / latency. The latency is an ASSUMPTION:
+  600 ns, an unloaded Hopper HBM latency of ~500 ns by published pointer-chasing microbenchmarks
+  (Chips and Cheese "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; Luo et al.,
+  arXiv:2402.13499) plus queueing under load; `--latency-ns` changes it.
+- Both ceilings are compared with the H200's 4.8 TB/s HBM3e (H200 product brief); the smallest of
+  the two and the peak is the kernel's static bound. Both assume a grid that fills every SM at the
+  kernel's occupancy (a shape's grid fill, e.g. the split-KV plan's, is not modelled) and ignore the
+  loop's other stalls (dependent loads, barriers, tensor-core throughput). sm_80 figures use
+  A100-SXM4-80GB (108 SMs, 1.41 GHz, 2.039 TB/s) with the same assumed latency.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE_DIR = ROOT / "build" / "sass-cache"
+DEFAULT_LATENCY_NS = 600.0
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    sms: int
+    clock_hz: float
+    dram_bytes_s: float
+    smem_per_sm: int
+    smem_per_block: int
+    regs_per_sm: int = 65536
+    max_threads: int = 2048
+    max_blocks: int = 32
+    reg_unit: int = 256  # registers allocated per warp in units of this many
+    reserved_smem: int = 1024  # per block, compute capability >= 8.0
+    # sm_90 cubins report that reserved KiB in -res-usage's SHARED (FlashInfer's decode, with no
+    # static __shared__, shows SHARED:1024 on sm_90 and 0 on sm_80), so it is not added twice.
+    reserved_in_static: bool = False
+    issue_per_clock: int = 4  # warp-instructions per SM per clock (4 schedulers)
+
+
+DEVICES = {
+    "sm_90": Device("H200", 132, 1.98e9, 4.8e12, 228 * 1024, 227 * 1024, reserved_in_static=True),
+    "sm_80": Device("A100-SXM4-80GB", 108, 1.41e9, 2.039e12, 164 * 1024, 163 * 1024),
+}
+
+# ---- launch configurations ---------------------------------------------------------------------
+# Block size and dynamic shared memory of each kernel at a reference shape (head size from the
+# template where it has one, else 128; GQA group = the head tile, 16 for the shared-KV kernel;
+# 16-bit cache unless the template says fp8), transcribed from csrc/kernels/plan.h (plan_decode,
+# plan_prefill, shared_kv_smem, merge_floats) and the launchers in csrc/kernels/*.cuh. Update it
+# with plan.h. Anchors: from their launchers, cited in bench/sass_anchors/*.cu.
+
+
+def _elem(type_name: str) -> int:
+    return 1 if any(t in type_name for t in ("fp8", "e4m3", "e5m2", "char")) else 4 if type_name == "float" else 2
+
+
+def _decode(args):  # decode_kernel<T, KV, TPT, kGroupTile>: plan_decode's non-shared branch
+    tpt, group = int(args[2]), int(args[3])
+    head, threads = 8 * tpt, 128  # each lane owns 8 dims; kDecodeThreads
+    return threads, threads // 32 * (32 // tpt) * group * (head + 2) * 4, f"head {head}, group {group}"
+
+
+def _decode_shared(args):  # decode_shared_kv_kernel<T, KV>, group 16, head 128: shared_kv_smem
+    pitch = 128 * _elem(args[1])
+    chunk = min(64, 32 * 1024 // (2 * pitch))  # kSharedKVChunk, kMaxStageBytes
+    threads = 2 * 2 * 32  # 2 tiles of 8 heads x (128 / 32 / 2) warps
+    merge = threads // 32 * (32 // 16) * 8 * (128 + 2) * 4
+    return threads, max(2 * 2 * chunk * pitch, merge), "head 128, group 16"
+
+
+def _prefill(args):  # prefill_kernel<T, KV>: kPrefillThreads, rows = threads / 8, kv_tile 32, head 128
+    rows, bn, d = 16, 32, 128
+    return 128, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, "head 128"
+
+
+def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: kTcThreads, (kTcRows + 2 kTcKv) x (D + 8) x 2 B
+    d = int(args[2])
+    return 128, (64 + 2 * 32) * (d + 8) * 2, f"head {d}"
+
+
+LAUNCH = [
+    ("decode_kernel", _decode),
+    ("decode_shared_kv_kernel", _decode_shared),
+    ("decode_reduce_kernel", lambda a: (128, 0, "")),
+    ("prefill_kernel", _prefill),
+    ("prefill_tc_kernel", _prefill_tc),
+    ("merge_kernel", lambda a: (256, 0, "")),
+    ("merge_states_kernel", lambda a: (256, 0, "")),
+    ("reshape_and_cache_kernel", lambda a: (256, 0, "8+ KV heads x head 128")),
+    ("quantize_kernel", lambda a: (256, 0, "")),
+    ("dequantize_kernel", lambda a: (256, 0, "")),
+    ("copy_blocks_kernel", lambda a: (256, 0, "")),
+    ("image_probe_kernel", lambda a: (32, 0, "never launched: cudaFuncGetAttributes' probe")),
+    # anchors (bench/sass_anchors/*.cu state where each number comes from)
+    ("BatchDecodeWithPagedKVCacheKernel", lambda a: (128, 8192 + 1024, "bf16, head 128, group 4")),
+    ("BatchPrefillWithPagedKVCacheKernel", lambda a: (128, 65536, "bf16, head 128, CTA 128 x 64")),
+    ("flash_fwd_kernel", lambda a: (128, 65536, "bf16, head 128, 128 x 64 tiles")),
+    ("flash_fwd_splitkv_kernel", lambda a: (128, 81920, "bf16, head 128, 64 x 128 tiles")),
+]
+ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
+
+
+def launch_of(family: str, args: list[str]):
+    """(threads, dynamic smem bytes, shape note) of a kernel family, or None when not in LAUNCH."""
+    for name, fn in LAUNCH:
+        if family == name:
+            try:
+                return fn(args)
+            except (IndexError, ValueError):
+                return None
+    return None
+
+
+# ---- tools -------------------------------------------------------------------------------------
+def find_tool(name: str) -> str | None:
+    """cuobjdump / nvdisasm / cu++filt: CUDA_HOME/bin, PATH, then the copy Triton's package ships."""
+    candidates = [os.path.join(os.environ.get("CUDA_HOME", ""), "bin", name), shutil.which(name) or ""]
+    try:
+        import triton  # noqa: PLC0415
+
+        candidates.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name))
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+
+
+def cuobjdump(path: str, *args: str) -> str:
+    tool = find_tool("cuobjdump")
+    if tool is None:
+        raise FileNotFoundError("cuobjdump not found (CUDA_HOME/bin, PATH, or triton/backends/nvidia/bin)")
+    return subprocess.run([tool, *args, path], check=True, capture_output=True, text=True).stdout
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Itanium names to C++ (one c++filt / cu++filt process for all); unchanged when neither exists."""
+    tool = find_tool("cu++filt") or shutil.which("c++filt")
+    if not tool or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names), capture_output=True, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+def split_name(demangled: str) -> tuple[str, list[str]]:
+    """'void ns::kernel<A, B<C, D>, 4>(args)' -> ('kernel', ['A', 'B<C, D>', '4'])."""
+    demangled = demangled.replace("(anonymous namespace)", "anonymous")
+    depth, end = 0, len(demangled)
+    for i, ch in enumerate(demangled):  # the parameter list: the first '(' outside template brackets
+        depth += (ch in "<(") - (ch in ">)")
+        if ch == "(" and depth == 1:
+            end = i
+            break
+    head = demangled[:end]
+    lt = head.find("<")
+    base, targs = (head, "") if lt < 0 else (head[:lt], head[lt + 1 : head.rfind(">")])
+    family = base.split()[-1].split("::")[-1]
+    args, depth, cur = [], 0, ""
+    for ch in targs:
+        depth += (ch == "<") - (ch == ">")
+        if ch == "," and depth == 0:
+            args.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        args.append(cur.strip())
+    return family, args
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+_RES = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+
+
+def parse_res_usage(text: str, arch: str) -> dict[tuple[str, str], dict]:
+    """{(arch, mangled): {regs, stack, shared, local}} from `cuobjdump -res-usage -arch <arch>`."""
+    return {(arch, f.group(1)): dict(regs=int(f.group(2)), stack=int(f.group(3)), shared=int(f.group(4)),
+                                     local=int(f.group(5))) for f in _RES.finditer(text)}
+
+
+# One instruction: its line (offset, predicate, opcode, operands; the low 64 bits) and the next line
+# (the high 64 bits, whose bits 41.. are the control word: stall 4, yield 1, write scoreboard 3,
+# read scoreboard 3, wait mask 6 -- the layout the Volta+ assemblers (maxas / CuAssembler) document).
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);[^\n]*\n"
+                    r"(?:\s*/\* 0x([0-9a-f]{16}) \*/)?")
+
+
+def parse_sass(text: str, arch: str) -> dict[tuple[str, str], list[tuple]]:
+    """{(arch, mangled): [(offset, opcode, operands, write scoreboard, wait mask)]} from
+    `cuobjdump --dump-sass -arch <arch>`; scoreboard 7 = none (also when the control word is absent)."""
+    out = {}
+    for chunk in text.split("Function : ")[1:]:
+        name, _, body = chunk.partition("\n")
+        instrs = []
+        for m in _INSTR.finditer(body):
+            ctl = int(m.group(4), 16) >> 41 if m.group(4) else 7 << 5
+            instrs.append((int(m.group(1), 16), m.group(2), m.group(3).strip(), (ctl >> 5) & 7, (ctl >> 11) & 0x3F))
+        out[(arch, name.strip())] = instrs
+    return out
+
+
+# ---- instruction mix ---------------------------------------------------------------------------
+FAMILIES = [  # (family, opcode bases: the opcode before its first '.')
+    ("HMMA", ("HMMA",)), ("HGMMA", ("HGMMA",)), ("LDSM", ("LDSM",)), ("LDGSTS", ("LDGSTS",)),
+    ("TMA", ("UTMALDG", "UTMAPF", "UBLKCP", "UTMASTG")), ("LDG", ("LDG",)), ("LDS", ("LDS",)),
+    ("STS", ("STS",)), ("STG", ("STG",)), ("LDL/STL", ("LDL", "STL")), ("PRMT", ("PRMT",)),
+    ("CVT", ("F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP")), ("SHFL", ("SHFL",)), ("BAR", ("BAR",)),
+    ("MUFU", ("MUFU",)), ("IMAD/IADD", ("IMAD", "IADD", "VIADD")),
+    ("FP32", ("FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP")),
+    ("BRANCH", ("BRA", "BRX", "JMP", "JMX", "CALL", "RET", "EXIT")),
+]
+
+
+def family_of(opcode: str) -> str:
+    base = opcode.split(".")[0]
+    return next((fam for fam, bases in FAMILIES if base in bases), "other")
+
+
+def counted(instrs):
+    """Instructions that issue: NOPs and the trailing self-branch (`BRA` to itself) dropped."""
+    return [i for i in instrs if i[1] != "NOP" and not (i[1] == "BRA" and _target(i) == i[0])]
+
+
+def mix(instrs) -> dict[str, int]:
+    c = Counter(family_of(i[1]) for i in instrs)
+    c["total"] = len(instrs)
+    return dict(c)
+
+
+def _target(instr) -> int | None:
+    m = re.search(r"0x([0-9a-f]+)\s*$", instr[2].strip())
+    return int(m.group(1), 16) if instr[1].startswith(("BRA", "JMP")) and m else None
+
+
+_WIDTH = {"128": 16, "64": 8, "U16": 2, "S16": 2, "U8": 1, "S8": 1}
+
+
+def load_bytes_per_warp(instr) -> int:
+    """Global bytes one warp requests with this instruction (0 for anything but LDG / LDGSTS)."""
+    op, operands = instr[1], instr[2]
+    mods = op.split(".")
+    if mods[0] not in ("LDG", "LDGSTS"):
+        return 0
+    width = next((_WIDTH[m] for m in mods[1:] if m in _WIDTH), 4)
+    addresses = re.findall(r"\[([^\]]*)\]", operands.split("desc")[-1])  # desc[UR][addr]: the address
+    uniform = bool(addresses) and not re.search(r"(?<![U\w])R\d+", addresses[-1])
+    return width * (1 if uniform else 32)
+
+
+# ---- loops -------------------------------------------------------------------------------------
+def loops(instrs) -> list[tuple[int, int]]:
+    """[(start, end)] instruction index ranges closed by backward branches, innermost first."""
+    index = {ins[0]: k for k, ins in enumerate(instrs)}
+    found = {(index[t], k) for k, ins in enumerate(instrs)
+             if (t := _target(ins)) is not None and t < ins[0] and t in index}
+    return sorted(found, key=lambda r: r[1] - r[0])
+
+
+def in_flight_bytes(body) -> int:
+    """Most global bytes one warp has requested and not yet waited for, over two passes of a loop body
+    (so loads issued for the next iteration count): an LDG is outstanding until an instruction waits on
+    its write scoreboard; LDGSTS bytes until `DEPBAR.LE SB0, N` retires their commit group (LDGDEPBAR)."""
+    pending, groups, group, peak = [0] * 6, [], 0, 0
+    for second in (False, True):
+        for ins in body:
+            for sb in range(6):
+                if ins[4] >> sb & 1:
+                    pending[sb] = 0
+            base = ins[1].split(".")[0]
+            if base == "DEPBAR" and (m := re.search(r"SB0,\s*0x([0-9a-f]+)", ins[2])):
+                del groups[: max(0, len(groups) - int(m.group(1), 16))]
+            elif base == "LDGDEPBAR":
+                groups, group = groups + [group], 0
+            elif base == "LDGSTS":
+                group += load_bytes_per_warp(ins)
+            elif base == "LDG" and ins[3] < 6:
+                pending[ins[3]] += load_bytes_per_warp(ins)
+            if second:
+                peak = max(peak, sum(pending) + sum(groups) + group)
+    return peak
+
+
+def main_loop(instrs) -> dict | None:
+    """The KV loop: innermost loop with >= half the global-load bytes of the heaviest loop."""
+    found, prefix = loops(instrs), [0]
+    for ins in instrs:
+        prefix.append(prefix[-1] + load_bytes_per_warp(ins))
+    spans = [(s, e, prefix[e + 1] - prefix[s]) for s, e in found]
+    if not spans or max(b for _, _, b in spans) == 0:
+        return None
+    heaviest = max(b for _, _, b in spans)
+    s, e, nbytes = next(x for x in spans if x[2] * 2 >= heaviest)
+    body = instrs[s : e + 1]
+    return dict(start=hex(instrs[s][0]), end=hex(instrs[e][0]), instructions=len(body), bytes_per_warp=nbytes,
+                ldgsts_bytes_per_warp=sum(load_bytes_per_warp(i) for i in body if i[1].startswith("LDGSTS")),
+                commit_groups=sum(i[1] == "LDGDEPBAR" for i in body), in_flight_bytes_per_warp=in_flight_bytes(body),
+                nested_loops=sum(1 for a, b in found if s <= a and b <= e and (a, b) != (s, e)),
+                instructions_per_byte=len(body) / nbytes, mix=mix(body))
+
+
+# ---- occupancy and ceilings --------------------------------------------------------------------
+def occupancy(dev: Device, regs: int, threads: int, static_smem: int, dynamic_smem: int) -> dict:
+    """Resident blocks / warps per SM and the limiting resource (CUDA occupancy calculator rules)."""
+    smem = static_smem + dynamic_smem
+    block_smem = smem + (0 if dev.reserved_in_static and static_smem >= dev.reserved_smem else dev.reserved_smem)
+    warps = math.ceil(threads / 32)
+    regs_per_warp = math.ceil(max(regs, 1) * 32 / dev.reg_unit) * dev.reg_unit
+    limits = {
+        "warps": dev.max_threads // 32 // warps,
+        "blocks": dev.max_blocks,
+        "registers": (dev.regs_per_sm // regs_per_warp) // warps,
+        "shared": dev.smem_per_sm // block_smem if smem <= dev.smem_per_block else 0,
+    }
+    blocks = min(limits.values())
+    return dict(blocks=blocks, warps=blocks * warps, occupancy=blocks * warps * 32 / dev.max_threads,
+                limiter=min(limits, key=limits.get))
+
+
+def ceilings(dev: Device, loop: dict, resident_warps: int, latency_ns: float) -> dict:
+    """Issue-rate and Little's-law bandwidth ceilings (bytes/s, and as a share of the DRAM peak)."""
+    issue = dev.sms * dev.issue_per_clock * dev.clock_hz * loop["bytes_per_warp"] / loop["instructions"]
+    little = dev.sms * resident_warps * loop["in_flight_bytes_per_warp"] / (latency_ns * 1e-9)
+    return dict(issue_bytes_s=issue, issue_share=issue / dev.dram_bytes_s, little_bytes_s=little,
+                little_share=little / dev.dram_bytes_s,
+                bound_share=min(issue, little, dev.dram_bytes_s) / dev.dram_bytes_s)
+
+
+# ---- the report --------------------------------------------------------------------------------
+def kernel_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY_NS) -> list[dict]:
+    """One row per (kernel, arch) of a cubin / fatbinary-carrying .so."""
+    res, sass = {}, {}
+    with ThreadPoolExecutor(4) as pool:  # the cuobjdump processes run side by side
+        usages = {a: pool.submit(cuobjdump, path, "-res-usage", "-arch", a) for a in archs}
+        dumps = {a: pool.submit(cuobjdump, path, "--dump-sass", "-arch", a) for a in archs}
+        for arch in archs:
+            res.update(parse_res_usage(usages[arch].result(), arch))
+            sass.update(parse_sass(dumps[arch].result(), arch))
+    names = demangle(sorted({m for _, m in res}))
+    rows = []
+    for (arch, mangled), usage in sorted(res.items(), key=lambda kv: (kv[0][0], names[kv[0][1]])):
+        instrs = counted(sass.get((arch, mangled), []))
+        family, args = split_name(names[mangled])
+        row = dict(arch=arch, family=family, args=args, name=names[mangled], mangled=mangled, **usage,
+                   mix=mix(instrs))
+        row["hmma_share"] = (row["mix"].get("HMMA", 0) + row["mix"].get("HGMMA", 0)) / max(len(instrs), 1)
+        launch, dev = launch_of(family, args), DEVICES.get(arch)
+        if launch and dev:
+            threads, dyn_smem, shape = launch
+            row.update(threads=threads, dynamic_smem=dyn_smem, shape=shape,
+                       **occupancy(dev, usage["regs"], threads, usage["shared"], dyn_smem))
+        if any(a in family for a in ATTENTION) and (loop := main_loop(instrs)):
+            row["loop"] = loop
+            if "warps" in row:
+                row["loop"].update(ceilings(dev, loop, row["warps"], latency_ns))
+        rows.append(row)
+    return rows
+
+
+def cached_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY_NS) -> list[dict]:
+    """kernel_rows, kept under build/sass-cache per file (name, size, mtime), archs and latency."""
+    st = os.stat(path)
+    key = f"{Path(path).name}-{st.st_size}-{int(st.st_mtime)}-{'_'.join(archs)}-{int(latency_ns)}.json"
+    cache = CACHE_DIR / key
+    if cache.exists():
+        return json.loads(cache.read_text())
+    rows = kernel_rows(path, archs, latency_ns)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(rows))
+    return rows
+
+
+def default_so() -> str:
+    """The extension: paged_ops/_C*.so in the tree, else where the (editable) install put it."""
+    found = sorted(glob.glob(str(ROOT / "paged_ops" / "_C*.so")))
+    if not found:
+        import importlib.util  # noqa: PLC0415
+
+        spec = importlib.util.find_spec("paged_ops._C")
+        found = [spec.origin] if spec and spec.origin else []
+    if not found:
+        raise FileNotFoundError("paged_ops._C not built: run `make build` or pass --so")
+    return found[0]
+
+
+def _rng(vals, fmt="{}"):
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "-"
+    lo, hi = min(vals), max(vals)
+    return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
+
+
+MIX_COLUMNS = ["HMMA", "HGMMA", "LDSM", "LDGSTS", "TMA", "LDG", "LDS", "STS", "STG", "PRMT", "CVT", "SHFL",
+               "BAR", "MUFU", "IMAD/IADD", "BRANCH", "total"]
+
+
+def markdown(rows: list[dict], full: bool = False) -> str:
+    """Per family and arch (ranges over its instantiations), or per instantiation with `full`."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in sorted(rows, key=lambda r: (r["family"], r["arch"], r["args"])):
+        groups.setdefault((r["arch"], r["family"]) + ((tuple(r["args"]),) if full else ()), []).append(r)
+    head = ["arch", "kernel", "n", "regs", "stack", "local", "smem (st+dyn)", "threads", "occupancy",
+            "HMMA %", *MIX_COLUMNS, "loop instr", "loop HMMA", "loop B/warp", "instr/B", "in flight B/warp",
+            "issue ceiling", "Little ceiling", "bound"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key, rs in groups.items():
+        loops_ = [r["loop"] for r in rs if "loop" in r]
+        name = key[1] + (f"<{', '.join(key[2])}>" if full else "")
+        cells = [key[0], name, str(len(rs)), _rng([r["regs"] for r in rs]), _rng([r["stack"] for r in rs]),
+                 _rng([r["local"] for r in rs]), _rng([r["shared"] + r.get("dynamic_smem", 0) for r in rs]),
+                 _rng([r.get("threads") for r in rs]), _rng([r.get("occupancy") for r in rs], "{:.1%}"),
+                 _rng([100 * r["hmma_share"] for r in rs], "{:.1f}"),
+                 *[_rng([r["mix"].get(c, 0) for r in rs]) for c in MIX_COLUMNS],
+                 _rng([lp["instructions"] for lp in loops_]),
+                 _rng([lp["mix"].get("HMMA", 0) + lp["mix"].get("HGMMA", 0) for lp in loops_]),
+                 _rng([lp["bytes_per_warp"] for lp in loops_]),
+                 _rng([lp["instructions_per_byte"] for lp in loops_], "{:.3f}"),
+                 _rng([lp["in_flight_bytes_per_warp"] for lp in loops_], "{:.0f}"),
+                 _rng([lp.get("issue_share") for lp in loops_], "{:.0%}"),
+                 _rng([lp.get("little_share") for lp in loops_], "{:.0%}"),
+                 _rng([lp.get("bound_share") for lp in loops_], "{:.0%}")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def model_note(latency_ns: float) -> str:
+    d = DEVICES["sm_90"]
+    return (f"Ceilings (estimates, see bench/sass.py's docstring) as a share of the {d.name}'s "
+            f"{d.dram_bytes_s / 1e12:.1f} TB/s for sm_90 code, of the A100's for sm_80: issue = "
+            f"{d.sms} SMs x {d.issue_per_clock} warp-instr/clk x {d.clock_hz / 1e9:.2f} GHz x loop bytes / loop "
+            f"instructions; Little = resident warps x SMs x bytes in flight / {latency_ns:.0f} ns (assumed "
+            "latency). Occupancy at the launch shape of bench/sass.py's LAUNCH table.\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--so", help="extension (.so) or cubin; default paged_ops/_C*.so")
+    ap.add_argument("--arch", default="sm_80,sm_90")
+    ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--md", help="write the markdown table here")
+    ap.add_argument("--full", action="store_true", help="one row per instantiation, not per family")
+    ap.add_argument("--latency-ns", type=float, default=DEFAULT_LATENCY_NS)
+    ap.add_argument("--anchors", action="store_true", help="FlashInfer / FlashAttention-2, compiled here")
+    ap.add_argument("--flashinfer", default=os.environ.get("FLASHINFER_DATA"), help="flashinfer/data dir")
+    ap.add_argument("--flash-attn", default=os.environ.get("FLASH_ATTN_SRC"), help="csrc/flash_attn/src dir")
+    ap.add_argument("--cccl", default=os.environ.get("CCCL_INCLUDE"), help="CCCL >= 3.1 include dir")
+    a = ap.parse_args(argv)
+    archs = a.arch.split(",")
+    if a.anchors:
+        from bench.sass_anchor_build import build_anchors  # noqa: PLC0415
+
+        paths = build_anchors(archs, flashinfer=a.flashinfer, flash_attn=a.flash_attn, cccl=a.cccl)
+        rows = [r for p in paths for r in kernel_rows(p, [x for x in archs if f".{x}." in p], a.latency_ns)]
+    else:
+        rows = cached_rows(a.so or default_so(), archs, a.latency_ns)
+    table = markdown(rows, a.full) + "\n" + model_note(a.latency_ns)
+    print(table)
+    if a.json:
+        Path(a.json).write_text(json.dumps(dict(model=__doc__, latency_ns=a.latency_ns, rows=rows), indent=1))
+    if a.md:
+        Path(a.md).write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
