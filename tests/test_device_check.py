@@ -34,7 +34,9 @@ args = sys.argv[1:]
 step = os.environ.get("DEVICE_CHECK_STEP", "")
 with open(os.environ["FAKE_CALLS"], "a") as f:
     f.write(step + "\t" + " ".join(args) + "\n")
-if step == os.environ.get("FAKE_HANG"):
+if step == os.environ.get("FAKE_HANG"):  # deaf to SIGINT, as a process stuck in a CUDA call
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     print("fake: hanging in", step, flush=True)
     time.sleep(60)
 if args[:1] == ["-c"] and "importlib.metadata" in args[1]:  # the preflight's probe
@@ -79,7 +81,7 @@ def _make_fake(tmp_path: Path):
     # shortened budgets: every step 4 s, a 1-second grace
     env = {k: v for k, v in os.environ.items() if not k.endswith("_S")}
     env |= {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "PY": str(py), "OUT": str(out),
-            "FAKE_CALLS": str(calls), "KILL_GRACE_S": "1", "PROBE_S": "3"}
+            "FAKE_CALLS": str(calls), "KILL_GRACE_S": "1", "PROBE_S": "3.5"}
     env |= {v: "4" for v in ("BUILD_S", "BENCH_KERNELS_S", "GPU_TESTS_S", "BENCH_REFERENCES_S", "GPU_CONTRACT_S",
                              "MEMCHECK_S", "RACECHECK_S", "SYNCCHECK_S", "VARIANTS_BENCH_S", "HEADLINE_S",
                              "BENCH_CPU_S", "PREFLIGHT_S")}
@@ -218,8 +220,11 @@ def test_preflight_under_5_s_with_a_hanging_tool(fake):
     end inside 5 s; a missing optional tool is reported and the run goes on."""
     env, out, calls = fake
     bin_dir = Path(env["PY"]).parent
+    # four tools of 1.5 s each and one that hangs: 9.5 s one after another, 3.5 s side by side
     _fake_tool(bin_dir / "nvcc", 'sleep 1.5; echo "Cuda compilation tools, release 13.0, V13.0.48"')
     _fake_tool(bin_dir / "cmake", 'sleep 1.5; echo "cmake version 3.31.0"')
+    _fake_tool(bin_dir / "ninja", 'sleep 1.5; echo "1.13.0"')
+    _fake_tool(bin_dir / "nvidia-smi", 'sleep 1.5; echo "GPU 0: NVIDIA H200 (UUID: GPU-0)"')
     _fake_tool(bin_dir / "compute-sanitizer", "sleep 30")
     (bin_dir / "cuobjdump").unlink()
     env |= {"PATH": f"{bin_dir}:/usr/bin:/bin"}  # no real nvcc / cuobjdump / sanitizer of this machine
@@ -229,7 +234,7 @@ def test_preflight_under_5_s_with_a_hanging_tool(fake):
     took = time.monotonic() - t
     assert took < 5, (took, r.stdout)
     lines = {line.split()[1]: line for line in r.stdout.splitlines() if line.startswith("preflight: ")}
-    assert "release 13.0" in lines["nvcc"] and "ok" in lines["cmake"]
+    assert "release 13.0" in lines["nvcc"] and "ok" in lines["cmake"] and "ok" in lines["nvidia-smi"]
     assert "TIMEOUT" in lines["compute-sanitizer"] and "optional" in lines["compute-sanitizer"]
     assert "MISSING optional" in lines["cuobjdump"]
     for dist in ("pytest", "pytest-benchmark", "hypothesis", "transformers", "triton", "torch"):
