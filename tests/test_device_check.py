@@ -293,3 +293,29 @@ def test_headline_shapes_are_the_device_check_profile():
     shapes = {(c.op, c.num_seqs, c.context_len, c.num_heads, c.num_kv_heads) for c in cases}
     assert ("decode_attention", 1, 4096, 32, 8) in shapes  # batch 1: split-KV
     assert ("decode_attention", 64, 4096, 64, 8) in shapes  # group 8
+
+
+def test_tuning_budget_of_the_benchmark(monkeypatch):
+    """bench/kernels.py tune: tunes until PAGED_BENCH_TUNE_S seconds are spent, then switches the
+    tuner off (PAGED_OPS_AUTOTUNE=0) and marks the rows; the tuner itself is faked (no GPU here)."""
+    from bench import kernels
+    from paged_ops import tuning
+    calls = []
+
+    def fake_tune(*args, force):
+        calls.append(args)
+        time.sleep(0.05)  # a tuning that takes the whole budget
+
+    monkeypatch.setattr(tuning, "tune_cuda_decode", fake_tune)
+    monkeypatch.setattr(tuning, "last_config", lambda backend, op: {"key": [], "config": {}, "source": "tuned"})
+    monkeypatch.setattr(kernels, "_tuning", {"spent_s": 0.0, "last": {}})
+    monkeypatch.setenv("PAGED_BENCH_TUNE_S", "0.04")
+    monkeypatch.setenv("PAGED_OPS_AUTOTUNE", "1")
+    case = kernels.device_check_cases()[0]
+    kernels.tune("cuda", "decode_attention", ("first",))
+    assert calls == [("first",)] and kernels.record(case, "cuda", 1e-3, 3, 2)["tuning"] == "tuned"
+    kernels.tune("cuda", "decode_attention", ("second",))  # the budget is spent: not tuned
+    assert calls == [("first",)] and os.environ["PAGED_OPS_AUTOTUNE"] == "0"
+    assert kernels.record(case, "cuda", 1e-3, 3, 2)["tuning"] == "not tuned here (tuning budget spent)"
+    kernels.tune("cpu", "decode_attention", ("cpu",))  # the cpu backend has no tuner: no mark either
+    assert "tuning" not in kernels.record(case, "cpu", 1e-3, 3, 2)
