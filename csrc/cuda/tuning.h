@@ -13,6 +13,10 @@
 // are never freed, since a call on another thread may still be reading the one it loaded.
 //
 // An unknown key resolves to the kernels' defaults (LaunchConfig{} = all zeros).
+//
+// The same key buckets the tuned default backend of CUDA attention calls (cuda or triton,
+// paged_ops.tuning.tune_backend): public/select.cpp keeps that table (a KeyTable of backend
+// indices) and computes a call's key with call_key, the function the tuning_key op uses.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -88,6 +92,35 @@ inline Key key_of(const paged::AttentionParams& p, bool decode) {
                   decode ? capacity_tokens(p.max_blocks_per_seq, p.block_size) : p.max_seqlen_q);
 }
 
+// The key of an attention call from its tensors' sizes, strides and dtypes (host-known, never their
+// contents), with the device's SM count: false where the call has none (a size outside [1, 2^31) or
+// a dtype without a code), which then runs on the defaults. The one definition for the tuning_key op
+// (the tuner's key) and public/select.cpp (the key a call's tuned backend is looked up by), equal to
+// key_of of the params the binding makes of the same call.
+// query: [num_tokens, num_heads, head_size], key_cache: [num_blocks, block_size, num_kv_heads,
+// head_size], block_tables: [num_seqs, max_blocks_per_seq]; max_seqlen_q: prefill only.
+inline bool call_key(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& block_tables,
+                     int64_t max_seqlen_q, bool decode, int num_sms, Key& key) {
+  if (query.dim() != 3 || key_cache.dim() != 4 || block_tables.dim() != 2) return false;
+  const int64_t head_size = query.size(2), num_heads = query.size(1), num_kv_heads = key_cache.size(2),
+                block_size = key_cache.size(1);
+  for (int64_t v : {head_size, num_heads, num_kv_heads, block_size})
+    if (v < 1 || v > INT32_MAX) return false;
+  const auto code = [](at::ScalarType t) -> int {
+    switch (t) {  // binding.h dtype_code, without its error: a call with no code has no key
+      case at::kFloat: case at::kHalf: case at::kBFloat16: case at::kFloat8_e4m3fn: case at::kFloat8_e5m2:
+        return int(paged::binding::dtype_code(t));
+      default: return -1;
+    }
+  };
+  const int dtype = code(query.scalar_type()), cache_dtype = code(key_cache.scalar_type());
+  if (dtype < 0 || cache_dtype < 0) return false;
+  key = make_key(decode, num_sms, paged::DType(dtype), paged::DType(cache_dtype), head_size, num_heads, num_kv_heads,
+                 block_size, key_cache.stride(2) > key_cache.stride(1), block_tables.size(0),
+                 decode ? capacity_tokens(block_tables.size(1), block_size) : max_seqlen_q);
+  return true;
+}
+
 inline uint64_t hash_key(const Key& k) {
   uint64_t h = 0x9E3779B97F4A7C15ull;
   for (int32_t v : k) {
@@ -149,16 +182,19 @@ inline const char* config_problem(at::IntArrayRef c) {
   return nullptr;
 }
 
-// ---- the table ----------------------------------------------------------------------------------
+// ---- the tables ---------------------------------------------------------------------------------
 
-struct Entry {
-  Key key;
-  paged::LaunchConfig config;
-};
-
-class Table {
+// An immutable open-addressing hash table of Key -> Value. Two are kept: the launch configs below
+// (Value LaunchConfig), and the tuned backend choice of public/select.cpp (Value: a backend index).
+template <class Value>
+class KeyTable {
  public:
-  explicit Table(std::vector<Entry> entries) : entries_(std::move(entries)) {
+  struct Entry {
+    Key key;
+    Value value;
+  };
+
+  explicit KeyTable(std::vector<Entry> entries) : entries_(std::move(entries)) {
     size_t capacity = 2;
     while (capacity < 2 * entries_.size()) capacity <<= 1;  // at most half full: short probes
     mask_ = capacity - 1;
@@ -170,11 +206,11 @@ class Table {
     }
   }
 
-  const paged::LaunchConfig* find(const Key& key) const {
+  const Value* find(const Key& key) const {
     for (size_t s = hash_key(key) & mask_;; s = (s + 1) & mask_) {
       const int32_t i = slots_[s];
       if (i < 0) return nullptr;
-      if (entries_[i].key == key) return &entries_[i].config;
+      if (entries_[i].key == key) return &entries_[i].value;
     }
   }
 
@@ -186,31 +222,42 @@ class Table {
   size_t mask_;
 };
 
-// nullptr: nothing installed. Constant-initialized, so reading it needs no static guard.
-inline std::atomic<const Table*> published{nullptr};
-
-inline std::mutex& install_mutex() {  // installs only; lookups never take it
-  static std::mutex* mu = new std::mutex;
-  return *mu;
-}
-
-// Adds (replace: only) these entries; a later entry of the same key wins.
-inline void install(const std::vector<Entry>& added, bool replace) {
-  std::lock_guard<std::mutex> lock(install_mutex());
-  const Table* old = published.load(std::memory_order_acquire);
-  std::vector<Entry> entries;
+// Adds (replace: only) these entries to the table `published` points to, copy-on-write under `mu`
+// (installs only; lookups never take it); a later entry of the same key wins. The old table is
+// never freed: a call on another thread may still be reading it.
+template <class Value>
+void install_into(std::atomic<const KeyTable<Value>*>& published, std::mutex& mu,
+                  const std::vector<typename KeyTable<Value>::Entry>& added, bool replace) {
+  std::lock_guard<std::mutex> lock(mu);
+  const KeyTable<Value>* old = published.load(std::memory_order_acquire);
+  std::vector<typename KeyTable<Value>::Entry> entries;
   if (old && !replace) entries = old->entries();
-  for (const Entry& e : added) {
+  for (const auto& e : added) {
     bool found = false;
-    for (Entry& have : entries)
+    for (auto& have : entries)
       if (have.key == e.key) {
-        have.config = e.config;
+        have.value = e.value;
         found = true;
         break;
       }
     if (!found) entries.push_back(e);
   }
-  published.store(entries.empty() ? nullptr : new Table(std::move(entries)), std::memory_order_release);
+  published.store(entries.empty() ? nullptr : new KeyTable<Value>(std::move(entries)), std::memory_order_release);
+}
+
+using Table = KeyTable<paged::LaunchConfig>;
+using Entry = Table::Entry;
+
+// nullptr: nothing installed. Constant-initialized, so reading it needs no static guard.
+inline std::atomic<const Table*> published{nullptr};
+
+inline std::mutex& install_mutex() {
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+inline void install(const std::vector<Entry>& added, bool replace) {
+  install_into(published, install_mutex(), added, replace);
 }
 
 // The launch configuration of a call that names none (binding Target::tuned_config): one atomic
@@ -230,16 +277,15 @@ inline std::vector<int64_t> tuning_key(const at::Tensor& query, const at::Tensor
   TORCH_CHECK_VALUE(query.dim() == 3 && key_cache.dim() == 4 && block_tables.dim() == 2,
                     "tuning_key: query [num_tokens, num_heads, head_size], key_cache [num_blocks, block_size, "
                     "num_kv_heads, head_size], block_tables [num_seqs, max_blocks_per_seq]");
-  const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2), block_size = key_cache.size(1);
-  for (int64_t v : {query.size(2), num_heads, num_kv_heads, block_size})
+  for (int64_t v : {query.size(2), query.size(1), key_cache.size(2), key_cache.size(1)})
     TORCH_CHECK_VALUE(v >= 1 && v <= INT32_MAX, "tuning_key: sizes must be in [1, 2^31), got ", v);
+  paged::binding::dtype_code(query.scalar_type());  // an unsupported dtype: its error
+  paged::binding::dtype_code(key_cache.scalar_type());
   int sms = 0;
   if (query.is_cuda() && cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, query.get_device()) != cudaSuccess)
     sms = 0;
-  const Key k = make_key(decode, sms, paged::binding::dtype_code(query.scalar_type()),
-                         paged::binding::dtype_code(key_cache.scalar_type()), query.size(2), num_heads, num_kv_heads,
-                         block_size, key_cache.stride(2) > key_cache.stride(1), block_tables.size(0),
-                         decode ? capacity_tokens(block_tables.size(1), block_size) : max_seqlen_q);
+  Key k;
+  call_key(query, key_cache, block_tables, max_seqlen_q, decode, sms, k);
   return std::vector<int64_t>(k.begin(), k.end());
 }
 

@@ -78,7 +78,7 @@ void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache,
   check_attention_variants(out, query, PAGED_OPS_VARIANT_ARGS);
   check_attention_outputs_apart(out, lse, query, key_cache, value_cache, block_tables, seq_lens, std::nullopt,
                                 k_scale, v_scale, sinks, alibi_slopes);
-  const int backend = select_backend(out.device());
+  const int backend = select_attention_backend(out.device(), {query, key_cache, block_tables, nullptr});
   if (query.numel() == 0) return;
   batch_invariant = batch_invariant_mode(batch_invariant);
   static const BackendOps<DecodeSig> ops("decode_attention");
@@ -95,7 +95,7 @@ void prefill_attention(Tensor& out, const Tensor& query, const Tensor& key_cache
   check_attention_variants(out, query, PAGED_OPS_VARIANT_ARGS);
   check_attention_outputs_apart(out, lse, query, key_cache, value_cache, block_tables, seq_lens, cu_seqlens_q,
                                 k_scale, v_scale, sinks, alibi_slopes);
-  const int backend = select_backend(out.device());
+  const int backend = select_attention_backend(out.device(), {query, key_cache, block_tables, &max_seqlen_q});
   if (query.numel() == 0) return;
   batch_invariant = batch_invariant_mode(batch_invariant);
   static const BackendOps<PrefillSig> ops("prefill_attention");

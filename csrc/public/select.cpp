@@ -7,6 +7,11 @@
 //     and threads. Reading it needs the GIL, so it is read only while some use_backend block is
 //     active anywhere in the process (an atomic count): the default path runs no Python;
 //  3. PAGED_OPS_BACKEND, read per call.
+// Else by device: CPU -> cpu; CUDA -> cuda where its kernels run on the device, else triton; for
+// decode_attention / prefill_attention on a device where the cuda kernels run, the tuner's choice
+// of the call's shape bucket where it made one (paged_ops/tuning.py tune_backend): a table keyed by
+// csrc/cuda/tuning.h's Key, immutable behind an atomic pointer like the launch configs' (null: no
+// choice installed, the only cost then one atomic load), computed from the call's sizes only.
 //
 // The batch-invariant mode, the same way: paged_ops.batch_invariant(enabled) sets a ContextVar
 // (so two asyncio tasks on one thread never see, or restore, each other's mode), read only while
@@ -21,8 +26,14 @@
 #include <cstring>
 #include <string>
 
+#include <mutex>
+#include <vector>
+
 #ifdef PAGED_OPS_WITH_CUDA
 #include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
+#include "cuda/tuning.h"
 
 namespace paged_cuda {
 bool has_kernel_image(int device);  // csrc/cuda/device_support.cu
@@ -147,24 +158,104 @@ bool batch_invariant_mode(bool requested) {
   return env != nullptr && env[0] == '1' && env[1] == '\0';
 }
 
-int select_backend(const c10::Device& device) {
+namespace {
+
+// The backend forced for this call (-1: none), checked to run on `type` tensors.
+int forced_backend(c10::DeviceType type) {
   int forced = t_call_backend;
   const char* how = "";
   if (forced < 0) forced = forced_by_context(), how = " (forced by use_backend)";
   if (forced < 0) forced = forced_by_env(), how = " (forced by PAGED_OPS_BACKEND)";
   if (forced >= 0) {
-    TORCH_CHECK(runs_on(forced, device.type()), "backend '", kTable[forced].name, "'", how, " does not run on ",
-                c10::DeviceTypeName(device.type(), /*lower_case=*/true), " tensors");
-    return forced;
+    TORCH_CHECK(runs_on(forced, type), "backend '", kTable[forced].name, "'", how, " does not run on ",
+                c10::DeviceTypeName(type, /*lower_case=*/true), " tensors");
   }
+  return forced;
+}
+
+// The backend of a call on `device`: forced, else by device, where `on_cuda()` is the default of
+// CUDA tensors (called only for them).
+template <class OnCuda>
+int choose_backend(const c10::Device& device, OnCuda&& on_cuda) {
+  const int forced = forced_backend(device.type());
+  if (forced >= 0) return forced;
   if (device.is_cpu()) return kCpu;
-  if (device.is_cuda()) {
-#ifdef PAGED_OPS_WITH_CUDA
-    if (cuda_kernels_run_on(device.has_index() ? device.index() : 0)) return kCuda;
-#endif
-    return kTriton;
-  }
+  if (device.is_cuda()) return on_cuda();
   TORCH_CHECK(false, "no paged_ops backend runs on ", c10::DeviceTypeName(device.type(), true), " tensors");
+}
+
+#ifdef PAGED_OPS_WITH_CUDA
+namespace tuning = paged_cuda::tuning;
+
+// The tuned choices: bucket key -> kCuda or kTriton. nullptr: none installed.
+using ChoiceTable = tuning::KeyTable<int8_t>;
+std::atomic<const ChoiceTable*> g_choices{nullptr};
+
+std::mutex& choices_mutex() {  // installs only; lookups never take it
+  static std::mutex* mu = new std::mutex;
+  return *mu;
+}
+
+// The device's SM count (the key's kNumSms, as the tuning_key op reads it), asked once per device;
+// 0 where it cannot be read (no such bucket was tuned: the default stands).
+int num_sms_of(int device) {
+  constexpr int kMaxDevices = 64;
+  static std::array<std::atomic<int>, kMaxDevices> known{};  // 0 = not asked yet
+  std::atomic<int>* slot = device >= 0 && device < kMaxDevices ? &known[device] : nullptr;
+  if (slot) {
+    const int n = slot->load(std::memory_order_relaxed);
+    if (n) return n;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // not this call's error to report
+    return 0;
+  }
+  if (slot) slot->store(n, std::memory_order_relaxed);
+  return n;
+}
+
+// The default of CUDA tensors where the cuda kernels run: the choice for the key `key_of(key)`
+// fills (false: the call has no key), else cuda. The key is computed only when a choice exists.
+template <class KeyOf>
+int tuned_or_cuda(KeyOf&& key_of) {
+  const ChoiceTable* table = g_choices.load(std::memory_order_acquire);
+  if (table == nullptr) return kCuda;
+  tuning::Key key;
+  if (!key_of(key)) return kCuda;
+  const int8_t* found = table->find(key);
+  return found ? int(*found) : kCuda;
+}
+#endif
+
+}  // namespace
+
+int select_backend(const c10::Device& device) {
+  return choose_backend(device, [&] {
+#ifdef PAGED_OPS_WITH_CUDA
+    if (cuda_kernels_run_on(device.has_index() ? device.index() : 0)) return int(kCuda);
+#endif
+    return int(kTriton);
+  });
+}
+
+int select_attention_backend(const c10::Device& device, const AttentionShape& shape) {
+  return choose_backend(device, [&] {
+#ifdef PAGED_OPS_WITH_CUDA
+    const int index = device.has_index() ? device.index() : 0;
+    if (cuda_kernels_run_on(index)) {
+      return tuned_or_cuda([&](tuning::Key& key) {
+        const bool decode = shape.max_seqlen_q == nullptr;
+        const int64_t max_seqlen_q = decode ? 0 : shape.max_seqlen_q->guard_int(__FILE__, __LINE__);
+        return tuning::call_key(shape.query, shape.key_cache, shape.block_tables, max_seqlen_q, decode,
+                                num_sms_of(index), key);
+      });
+    }
+#else
+    (void)shape;
+#endif
+    return int(kTriton);
+  });
 }
 
 namespace {
@@ -257,7 +348,128 @@ PyObject* py_selected_backend(PyObject*, PyObject* device) {
   return translate([&] { return PyUnicode_FromString(kTable[select_backend(c10::Device(std::string(text)))].name); });
 }
 
+// A Python sequence of ints as int64s (what the key / backend-choice hooks take).
+bool int_list(PyObject* seq, std::vector<int64_t>& out, const char* what) {
+  PyObject* fast = PySequence_Fast(seq, what);
+  if (fast == nullptr) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  out.resize(size_t(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(fast, i);
+    if (!PyLong_Check(item)) {
+      PyErr_Format(PyExc_TypeError, "%s: item %zd is not an int", what, i);
+      Py_DECREF(fast);
+      return false;
+    }
+    out[size_t(i)] = PyLong_AsLongLong(item);
+    if (out[size_t(i)] == -1 && PyErr_Occurred()) {
+      Py_DECREF(fast);
+      return false;
+    }
+  }
+  Py_DECREF(fast);
+  return true;
+}
+
+#ifndef PAGED_OPS_WITH_CUDA
+PyObject* no_cuda_backend(const char* what) {
+  PyErr_Format(PyExc_RuntimeError, "%s: this build has no cuda backend (no tuned backend choice)", what);
+  return nullptr;
+}
+#endif
+
+// _set_backend_choices(keys, names, replace): n keys (flat, n * 11 ints of csrc/cuda/tuning.h's
+// Key) and n backend names ('cuda' or 'triton'), installed as the tuned choices of those buckets
+// (replace: the only ones). All are checked before any is installed (ValueError).
+PyObject* py_set_backend_choices(PyObject*, PyObject* args) {
+  PyObject *keys_obj, *names_obj;
+  int replace = 0;
+  if (!PyArg_ParseTuple(args, "OOp", &keys_obj, &names_obj, &replace)) return nullptr;
+#ifdef PAGED_OPS_WITH_CUDA
+  std::vector<int64_t> keys;
+  if (!int_list(keys_obj, keys, "_set_backend_choices keys")) return nullptr;
+  PyObject* names = PySequence_Fast(names_obj, "_set_backend_choices names");
+  if (names == nullptr) return nullptr;
+  std::vector<int8_t> chosen;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(names); ++i) {
+    const char* name = PyUnicode_Check(PySequence_Fast_GET_ITEM(names, i))
+                           ? PyUnicode_AsUTF8(PySequence_Fast_GET_ITEM(names, i)) : nullptr;
+    if (name == nullptr || (std::strcmp(name, kTable[kCuda].name) != 0 && std::strcmp(name, kTable[kTriton].name) != 0)) {
+      Py_DECREF(names);
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "_set_backend_choices: names[%zd] must be 'cuda' or 'triton'", i);
+      return nullptr;
+    }
+    chosen.push_back(int8_t(std::strcmp(name, kTable[kCuda].name) == 0 ? kCuda : kTriton));
+  }
+  Py_DECREF(names);
+  return translate([&]() -> PyObject* {
+    TORCH_CHECK_VALUE(keys.size() == chosen.size() * tuning::kKeyFields, "_set_backend_choices: n keys of ",
+                      int(tuning::kKeyFields), " integers and n names, got ", keys.size(), " integers and ",
+                      chosen.size(), " names");
+    std::vector<ChoiceTable::Entry> entries;
+    for (size_t i = 0; i < chosen.size(); ++i)
+      entries.push_back({tuning::key_from_list(at::IntArrayRef(keys).slice(i * tuning::kKeyFields, tuning::kKeyFields),
+                                               "_set_backend_choices"),
+                         chosen[i]});
+    tuning::install_into(g_choices, choices_mutex(), entries, replace != 0);
+    Py_RETURN_NONE;
+  });
+#else
+  (void)keys_obj, (void)names_obj;
+  return no_cuda_backend("_set_backend_choices");
+#endif
+}
+
+// _backend_choices() -> ((key, name), ...): the installed choices (key a tuple of 11 ints).
+PyObject* py_backend_choices(PyObject*, PyObject*) {
+#ifdef PAGED_OPS_WITH_CUDA
+  const ChoiceTable* table = g_choices.load(std::memory_order_acquire);
+  const size_t n = table ? table->entries().size() : 0;
+  PyObject* out = PyTuple_New(Py_ssize_t(n));
+  for (size_t i = 0; i < n; ++i) {
+    const ChoiceTable::Entry& e = table->entries()[i];
+    PyObject* key = PyTuple_New(tuning::kKeyFields);
+    for (int f = 0; f < tuning::kKeyFields; ++f) PyTuple_SET_ITEM(key, f, PyLong_FromLong(e.key[size_t(f)]));
+    PyTuple_SET_ITEM(out, Py_ssize_t(i), Py_BuildValue("(Ns)", key, kTable[e.value].name));
+  }
+  return out;
+#else
+  return PyTuple_New(0);
+#endif
+}
+
+// _resolve_backend(device, key, cuda_kernels_run) -> name: what an attention call on `device`
+// ("cpu", "cuda", "cuda:1") of bucket `key` (11 ints; None: no key, as the other ops) resolves to,
+// the per-call path's own resolution (forcing included), with whether the cuda kernels run on the
+// device given instead of asked of it: the test hook of the tuned choice on a machine without a GPU.
+PyObject* py_resolve_backend(PyObject*, PyObject* args) {
+  const char* text = nullptr;
+  PyObject* key_obj = nullptr;
+  int cuda_kernels_run = 0;
+  if (!PyArg_ParseTuple(args, "sOp", &text, &key_obj, &cuda_kernels_run)) return nullptr;
+  std::vector<int64_t> key;
+  if (key_obj != Py_None && !int_list(key_obj, key, "_resolve_backend key")) return nullptr;
+  return translate([&] {
+    const int backend = choose_backend(c10::Device(std::string(text)), [&]() -> int {
+      if (!cuda_kernels_run) return kTriton;
+#ifdef PAGED_OPS_WITH_CUDA
+      if (key_obj == Py_None) return kCuda;
+      const tuning::Key k = tuning::key_from_list(key, "_resolve_backend");
+      return tuned_or_cuda([&](tuning::Key& out) { return out = k, true; });
+#else
+      return kTriton;  // no cuda backend in this build
+#endif
+    });
+    return PyUnicode_FromString(kTable[backend].name);
+  });
+}
+
 PyMethodDef g_methods[] = {
+    {"_set_backend_choices", py_set_backend_choices, METH_VARARGS, "install tuned backend choices per bucket"},
+    {"_backend_choices", py_backend_choices, METH_NOARGS, "the installed tuned backend choices"},
+    {"_resolve_backend", py_resolve_backend, METH_VARARGS,
+     "the backend an attention call on a device and bucket resolves to (test hook)"},
     {"_backends", py_backends, METH_NOARGS, "the table of backends (csrc/backends.h), in index order"},
     {"_set_backend_var", py_set_backend_var, METH_O, "the ContextVar of use_backend"},
     {"_add_override", py_add_override, METH_O, "count of open use_backend blocks += delta"},
