@@ -9,7 +9,9 @@ and calls that namespace through the dispatcher:
 - else one forced with ``use_backend(name)`` (innermost wins; follows asyncio tasks and threads
   like any ``contextvars.ContextVar``), else ``PAGED_OPS_BACKEND=name`` (read per call);
 - else by device: CPU tensors -> ``cpu``; CUDA tensors -> ``cuda`` where built for the device,
-  else ``triton``.
+  else ``triton``; for ``decode_attention`` / ``prefill_attention`` on a device ``cuda`` runs on,
+  the backend ``paged_ops.tuning.tune_backend`` found faster for the call's shape bucket, where
+  one is stored (chosen in C++ per call: a table lookup, no Python).
 
 This module holds the Python side of that: availability, the ``use_backend`` context variable,
 the Triton backend's kernels (Python, registered with ``torch.library`` and importing
@@ -192,7 +194,9 @@ def _batch_invariant_block(state: int):
 
 def selected_backend(device_type: str) -> str:
     """The backend ``torch.ops.paged.*`` uses for tensors on ``device_type`` right now
-    ('cpu', 'cuda' or 'cuda:1'). Raises like the op would for a bad PAGED_OPS_BACKEND."""
+    ('cpu', 'cuda' or 'cuda:1'). Raises like the op would for a bad PAGED_OPS_BACKEND. An
+    attention call on CUDA tensors may instead take its bucket's tuned backend
+    (``paged_ops.tuning.tune_backend``), which depends on its shapes, not only the device."""
     return _C._selected_backend(str(device_type))
 
 

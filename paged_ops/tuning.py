@@ -27,6 +27,20 @@ holds what this module pushed: ``load()`` installs this build's stored ``cuda`` 
 ``import paged_ops`` where a GPU is present), and the tuner installs each entry it chooses. The
 candidates it times are the extension's (csrc/cuda/tuning_candidates.h).
 
+The same file holds the **default backend of CUDA tensors per shape bucket**: ``tune_backend``
+times the ``cuda`` backend against ``triton`` on one call (the same inputs for both: CUDA events,
+warm-ups, the median of a few rounds, within a time budget) and files the winner with both times
+as an entry of backend ``"backend_choice"``: ``key`` the ``cuda`` key of the call (so its bucket is
+the kernels' config bucket, SM count included), ``config`` ``{"backend": "cuda" | "triton"}``,
+``ms`` the winner's, ``times_ms`` both, ``version`` the ``cuda`` and ``triton`` code versions
+joined (``choice_version``): a change of either kernel code, of triton or of the package makes an
+entry stale. ``load()`` installs the current entries into the extension's choice table
+(csrc/public/select.cpp), which the C++ op reads per call with no Python: for
+``decode_attention`` / ``prefill_attention`` on CUDA tensors, where nothing forces a backend
+(``backend(name)``, ``use_backend``, ``PAGED_OPS_BACKEND`` always win) and the ``cuda`` kernels
+run on the device, the bucket's choice replaces ``cuda``; no entry (or a stale or corrupt one,
+never installed): ``cuda``, as without tuning.
+
 The cache file is input from disk and is never trusted: a file that is not JSON, or JSON of the
 wrong shape, or an entry whose key or config is not a valid one of its backend and op (``{}``,
 ``BLOCK_N: 0``, ``threads: 33``) is ignored with one warning, and the shape is tuned again. Nothing
@@ -48,6 +62,7 @@ import os
 import stat
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable
@@ -145,6 +160,10 @@ _TRITON_SCHEMAS: dict[str, dict[str, Callable[[object], bool]]] = {
 # cuda_emu: the same kernels on the emulator (tests of the tuner).
 _CUDA_BACKENDS = ("cuda", "cuda_emu")
 _TUNED_OPS = ("decode_attention", "prefill_attention")
+# The default backend's choice per bucket (tune_backend): keyed like cuda's entries.
+CHOICE = "backend_choice"
+CHOICES = ("cuda", "triton")
+_INT_KEYED = (*_CUDA_BACKENDS, CHOICE)
 _INT32 = 1 << 31
 
 
@@ -186,8 +205,13 @@ def _fields_problem(config, names: Iterable[str], optional: Iterable[str] = ()) 
 
 def config_problem(backend: str, op: str, config) -> str | None:
     """Why ``config`` is not a valid launch config of this backend and op (None: it is)."""
-    if op not in _TUNED_OPS or backend not in ("triton", *_CUDA_BACKENDS):
+    if op not in _TUNED_OPS or backend not in ("triton", *_INT_KEYED):
         return f"no tuner for {backend}.{op}"
+    if backend == CHOICE:
+        problem = _fields_problem(config, ("backend",))
+        if problem:
+            return problem
+        return None if config["backend"] in CHOICES else f"backend={config['backend']!r} is not one of {CHOICES}"
     if backend == "triton":
         schema = _TRITON_SCHEMAS[op]
         problem = _fields_problem(config, schema, optional=("split_scale",))
@@ -218,13 +242,13 @@ def _config_list(config: dict) -> list[int]:
 
 def _stored_key(backend: str, key: Iterable) -> list:
     """A shape key as the file holds it: the extension's integers (cuda), else strings."""
-    return [int(k) for k in key] if backend in _CUDA_BACKENDS else [str(k) for k in key]
+    return [int(k) for k in key] if backend in _INT_KEYED else [str(k) for k in key]
 
 
 def entry_identity(backend: str, op: str, version: str, device: str, key: Iterable) -> str:
     """What an entry is filed under: its backend, op, code version, device name (not for cuda,
     whose key holds the SM count) and shape key."""
-    per_device = [] if backend in _CUDA_BACKENDS else [device]
+    per_device = [] if backend in _INT_KEYED else [device]
     return json.dumps([backend, op, version, *per_device, *_stored_key(backend, key)])
 
 
@@ -297,7 +321,7 @@ def _read_file(path: Path) -> tuple[dict[str, dict], dict[str, dict]]:
     entries, foreign, bad = {}, {}, []
     cuda = cuda_available()
     for key, entry in data["entries"].items():
-        if isinstance(entry, dict) and entry.get("backend") in _CUDA_BACKENDS and not cuda:
+        if isinstance(entry, dict) and entry.get("backend") in _INT_KEYED and not cuda:
             foreign[key] = entry  # another build's (a home directory shared with a GPU machine)
             continue
         problem = _entry_problem(key, entry)
@@ -325,7 +349,7 @@ def _entry_problem(identity, entry) -> str | None:
     if not all(isinstance(v, str) for v in (backend, op, version, device)):
         return "no backend/op/version/device"
     key = entry.get("key")
-    if backend in _CUDA_BACKENDS:
+    if backend in _INT_KEYED:
         if not (isinstance(key, list) and all(_is_int(k) and 0 <= k < _INT32 for k in key)):
             return f"its shape key {_short(str(key))} is not a list of the extension's integers"
         if op in _TUNED_OPS:
@@ -563,15 +587,20 @@ def tune_cuda_prefill(out, query, key_cache, value_cache, block_tables, cu_seqle
 
 
 def load() -> int:
-    """Make the extension's table hold exactly this build's stored ``cuda`` entries; returns how many.
+    """Make the extension's tables hold exactly this build's stored ``cuda`` configs and current
+    backend choices (``tune_backend``); returns how many entries it installed.
 
     Called at ``import paged_ops`` where a GPU is present (a new process uses earlier tuning
     without the tuner), and again by whoever moves ``PAGED_OPS_CACHE_DIR``. Never raises on a bad
-    cache file (it is ignored with a warning).
+    cache file (it is ignored with a warning); a stale entry (another version) stays in the file,
+    not installed.
     """
     if not cuda_available():
         return 0
-    entries = [e for e in _read_entries(cache_path()).values() if e["backend"] == "cuda"]
+    stored = list(_read_entries(cache_path()).values())
+    entries = [e for e in stored if e["backend"] == "cuda"]
+    choices = [e for e in stored if e["backend"] == CHOICE]
+    from . import _C
     try:
         if entries:  # hashing the extension costs a read of it: only when there is something to match
             version = code_version("cuda")
@@ -579,10 +608,149 @@ def load() -> int:
         keys = [k for e in entries for k in e["key"]]
         configs = [v for e in entries for v in _config_list(e["config"])]
         _cuda_ops().set_tuned_configs(keys, configs, True)
+        if choices:
+            version = choice_version()
+            choices = [e for e in choices if e["version"] == version]
+        _C._set_backend_choices([k for e in choices for k in e["key"]], [e["config"]["backend"] for e in choices],
+                                True)
+    except ImportError:  # triton is gone: no choice can name it; the configs are in
+        _C._set_backend_choices([], [], True)
+        return len(entries)
     except (OSError, RuntimeError, ValueError) as e:  # the entries were checked: only an unreadable build
         _warn_once(f"paged_ops tuning cache {cache_path()}: not installed ({e})")
         return 0
-    return len(entries)
+    return len(entries) + len(choices)
+
+
+# ---- the default backend of CUDA tensors: cuda or triton, per bucket -------------------------
+
+def choice_version() -> str:
+    """The code a backend choice was measured on: the ``cuda`` build's and the ``triton``
+    kernels' versions (``code_version``). Raises ImportError without triton."""
+    return f"{code_version('cuda')}|{code_version('triton')}"
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _bound_arguments(op: str, args: tuple, kwargs: dict) -> dict:
+    """The call's arguments by the schema's names (positional and keyword, as the op takes them)."""
+    names = [a.name for a in getattr(torch.ops.paged, op).default._schema.arguments]
+    if len(args) > len(names):
+        raise TypeError(f"{op} takes at most {len(names)} arguments, got {len(args)}")
+    bound = dict(zip(names, args))
+    for name, value in kwargs.items():
+        if name not in names or name in bound:
+            raise TypeError(f"{op}: unexpected or repeated argument {name!r}")
+        bound[name] = value
+    return bound
+
+
+def tune_backend(op: str, *args, timer: Callable[[Callable[[], object]], float] | None = None, rounds: int = 7,
+                 warmup: int = 3, iters: int = 10, budget_s: float = 10.0, cuda_backend: str = "cuda",
+                 force: bool = False, clock: Callable[[], float] = time.perf_counter, **kwargs) -> dict:
+    """Make the faster of ``cuda`` and ``triton`` the default backend of CUDA calls in this call's
+    shape bucket (the ``cuda`` key: ``cuda_key``), timing both on this call unless a current entry
+    is stored; returns ``{"backend", "times_ms", "source"}``.
+
+    ``op`` is ``"decode_attention"`` or ``"prefill_attention"``, ``args`` / ``kwargs`` its
+    arguments as ``torch.ops.paged.<op>`` takes them; each backend runs them validated
+    (``paged_ops.backend(name)``), so ``out`` (and ``lse``) are overwritten. Timing: ``warmup``
+    calls of each, then rounds, each backend once per round (their order alternating), each
+    measurement ``timer(fn)`` in ms (default: ``time_gpu_ms`` of ``iters`` launches between one
+    pair of CUDA events); a backend's time is the median of its rounds. ``rounds`` at most, and no
+    round begins once ``budget_s`` seconds (by ``clock``, warm-ups included) have passed since the
+    start: at least one always runs. A backend that raises is out (its time None). The winner (on
+    a tie: cuda, the built-in default) is filed in tuning.json with both times and installed in the
+    extension's choice table, which ``torch.ops.paged.<op>`` reads per call.
+
+    Times only where ``tuning_enabled()``, with ``force``, or with a ``timer`` (tests, on CPU:
+    ``cuda_backend="cuda_emu"`` runs the cuda kernels on the emulator in cuda's place; ``fn.backend``
+    tells the timer which side it is timing). ``source``: "cache" (a stored entry, nothing timed),
+    "tuned", or "default" (nothing timed, or neither ran: no entry, ``backend`` the built-in cuda).
+    """
+    if op not in _TUNED_OPS:
+        raise ValueError(f"tune_backend: op must be one of {_TUNED_OPS}, got {op!r}")
+    if not cuda_available():
+        raise RuntimeError("tune_backend: this build has no cuda backend to time against triton")
+    if not (_is_int(rounds) and rounds >= 1 and _is_int(warmup) and warmup >= 0):
+        raise ValueError(f"tune_backend: rounds >= 1 and warmup >= 0, got {rounds}, {warmup}")
+    from . import _C
+    from .backends import backend as backend_of
+
+    bound = _bound_arguments(op, args, kwargs)
+    decode = op == "decode_attention"
+    key = cuda_key(bound["query"], bound["key_cache"], bound["block_tables"],
+                   None if decode else int(bound["max_seqlen_q"]))
+    device = device_name(bound["query"].device)
+    version = choice_version()
+    identity = entry_identity(CHOICE, op, version, device, key)
+    store = tuner(CHOICE, op)
+    with _lock:
+        stored = None if force else store._entries().get(identity)
+    if stored is not None:
+        _C._set_backend_choices(list(key), [stored["config"]["backend"]], False)
+        times = stored.get("times_ms")  # informational: not checked with the entry
+        return {"backend": stored["config"]["backend"], "times_ms": dict(times) if isinstance(times, dict) else {},
+                "source": "cache"}
+    if not (force or timer is not None or tuning_enabled()):
+        return {"backend": "cuda", "times_ms": {}, "source": "default"}
+
+    measure = timer or (lambda fn: time_gpu_ms(fn, iters=iters, warmup=0))
+    runs: dict[str, Callable[[], object]] = {}
+    for choice, name in (("cuda", cuda_backend), ("triton", "triton")):
+        try:
+            call = getattr(backend_of(name), op)
+        except (RuntimeError, ValueError):  # not available here
+            continue
+        run = lambda call=call: call(*args, **kwargs)  # noqa: E731
+        run.backend = choice
+        runs[choice] = run
+
+    start = clock()
+    samples: dict[str, list[float]] = {choice: [] for choice in runs}
+    for choice, run in list(runs.items()):
+        try:
+            for _ in range(warmup):
+                run()  # compiles, lazy loads, caches: outside the timed rounds
+        except Exception:  # e.g. a shape one backend does not take on this GPU
+            del runs[choice]
+    for r in range(rounds):
+        if r and clock() - start >= budget_s:
+            break
+        order = list(runs) if r % 2 == 0 else list(runs)[::-1]
+        for choice in order:
+            try:
+                ms = float(measure(runs[choice]))
+            except Exception:
+                ms = math.nan
+            if math.isfinite(ms):
+                samples[choice].append(ms)
+    times = {choice: (round(_median(samples[choice]), 6) if samples.get(choice) else None) for choice in CHOICES}
+    ran = [choice for choice in CHOICES if times[choice] is not None]
+    if not ran:
+        return {"backend": "cuda", "times_ms": times, "source": "default"}
+    winner = min(ran, key=lambda c: (times[c], c != "cuda"))
+    record = {"backend": CHOICE, "op": op, "version": version, "device": device, "key": _stored_key(CHOICE, key),
+              "config": {"backend": winner}, "ms": times[winner], "times_ms": times,
+              "rounds": min(len(samples[c]) for c in ran)}
+    with _lock:
+        store._entries()[identity] = record
+        try:
+            _write_entry(cache_path(), identity, record)
+        except (OSError, ValueError) as e:  # read-only home: the choice holds for this process
+            _warn_once(f"paged_ops tuning cache {cache_path()} not writable ({e})")
+    _C._set_backend_choices(list(key), [winner], False)
+    return {"backend": winner, "times_ms": times, "source": "tuned"}
+
+
+def tuned_backends() -> dict[tuple[int, ...], str]:
+    """The extension's installed backend choices: ``cuda`` key -> "cuda" / "triton"."""
+    from . import _C
+    return {tuple(key): name for key, name in _C._backend_choices()}
 
 
 def cuda_tuned_config(query, key_cache, block_tables, max_seqlen_q: int | None = None) -> dict | None:

@@ -175,6 +175,10 @@ def test_cuda_key_checks_and_ops():
         assert ops.tuning_key_problem(bad, "decode_attention"), bad
     with pytest.raises(ValueError, match="tuning_key"):
         ops.tuning_key(torch.zeros(2, 3), torch.zeros(1, 16, 2, 3), torch.zeros(2, 1, dtype=torch.int32), 0, True)
+    # a dtype the kernels have no code for: named, not a key of some other dtype
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        ops.tuning_key(torch.zeros(2, 4, 8, dtype=torch.float64), torch.zeros(1, 16, 2, 8),
+                       torch.zeros(2, 1, dtype=torch.int32), 0, True)
 
 
 # ---- bad cache files (#12.12): ignored with a warning, never break import or a call ----------
