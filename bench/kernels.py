@@ -214,6 +214,9 @@ def tune(backend: str, op: str, args: tuple) -> None:
         os.environ["PAGED_OPS_AUTOTUNE"] = "0"
         _tuning["last"][(backend, op)] = "not tuned here (tuning budget spent)"
         return
+    if backend == "triton" and not tuning.tuning_enabled():  # interpreter, PAGED_OPS_AUTOTUNE=0, no GPU
+        _tuning["last"][(backend, op)] = "default (tuning off)"
+        return
     t = time.perf_counter()
     if backend == "cuda":
         getattr(tuning, "tune_cuda_" + op.split("_")[0])(*args, force=True)

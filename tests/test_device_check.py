@@ -319,3 +319,8 @@ def test_tuning_budget_of_the_benchmark(monkeypatch):
     assert kernels.record(case, "cuda", 1e-3, 3, 2)["tuning"] == "not tuned here (tuning budget spent)"
     kernels.tune("cpu", "decode_attention", ("cpu",))  # the cpu backend has no tuner: no mark either
     assert "tuning" not in kernels.record(case, "cpu", 1e-3, 3, 2)
+    # triton tunes in its first call, only where the tuner is on (a GPU, no interpreter): here no call
+    monkeypatch.setattr(kernels, "validated_kernel", lambda *a: pytest.fail("called with the tuner off"))
+    monkeypatch.setattr(kernels, "_tuning", {"spent_s": 0.0, "last": {}})
+    kernels.tune("triton", "decode_attention", ("interpreted",))
+    assert kernels.record(case, "triton", 1e-3, 3, 2)["tuning"] == "default (tuning off)"
