@@ -16,8 +16,10 @@ The model (everything below is static; each number is an estimate of a ceiling, 
   228 KiB per SM on 9.0 (227 KiB per block), 164 KiB on 8.0 (163 KiB per block), plus 1 KiB
   reserved per block. sm_90 code is rated on an H200 (H100's SM), sm_80 on an A100.
 - Main KV loop: every backward branch closes a loop [target, branch]. The main loop is the
-  innermost one holding at least half the global-load bytes of the loop that holds the most; loops
-  nested inside it count once (their trip count is not static). Bytes per iteration per warp:
+  innermost one holding at least half the global-load bytes of the loop that holds the most and at
+  least half the kernel's math instructions (HMMA / HGMMA, or FFMA in a kernel without them), so a
+  staging loop inside the KV loop is not taken for it; loops nested inside it count once (their trip
+  count is not static). Bytes per iteration per warp:
   LDG / LDGSTS width (.128 = 16 B, .64 = 8, plain = 4, .U16 / .S16 = 2, .U8 / .S8 = 1) x 32 lanes
   (x 1 when the address is a uniform register only). TMA copies (UTMALDG) have a run-time box and
   are counted, not sized.
@@ -27,7 +29,10 @@ The model (everything below is static; each number is an estimate of a ceiling, 
 - Little's law ceiling: bytes in flight per warp = the most bytes the loop has requested and not yet
   waited for, followed through two iterations: an LDG until the first instruction that waits on its
   scoreboard (the control bits of the SASS), LDGSTS until `DEPBAR.LE SB0, N` retires its commit
-  group; bandwidth = resident warps per SM * 132 * bytes in flight per warp / latency. The latency is an ASSUMPTION:
+  group; bandwidth = resident warps per SM * 132 * bytes in flight per warp / latency. This is the
+  peak in flight, so an upper bound; the dependent-load chain gives a second one: an iteration
+  that issues and waits for R rounds of dependent LDGs (block-table entry -> its K row) takes at least
+  R latencies, so bandwidth <= resident warps * 132 * bytes per iteration / (R * latency). The latency is an ASSUMPTION:
   600 ns, an unloaded Hopper HBM latency of ~500 ns by published pointer-chasing microbenchmarks
   (Chips and Cheese "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; Luo et al.,
   arXiv:2402.13499) plus queueing under load; `--latency-ns` changes it.
@@ -294,16 +299,19 @@ def loops(instrs) -> list[tuple[int, int]]:
     return sorted(found, key=lambda r: r[1] - r[0])
 
 
-def in_flight_bytes(body) -> int:
-    """Most global bytes one warp has requested and not yet waited for, over two passes of a loop body
-    (so loads issued for the next iteration count): an LDG is outstanding until an instruction waits on
-    its write scoreboard; LDGSTS bytes until `DEPBAR.LE SB0, N` retires their commit group (LDGDEPBAR)."""
-    pending, groups, group, peak = [0] * 6, [], 0, 0
+def in_flight_bytes(body) -> tuple[int, int]:
+    """(peak, rounds) of a loop body followed through two passes (so loads for the next iteration count).
+    peak: the most global bytes one warp has requested and not yet waited for -- an LDG until an
+    instruction waits on its write scoreboard, LDGSTS bytes until `DEPBAR.LE SB0, N` retires their
+    commit group (LDGDEPBAR). rounds: the longest chain of LDGs one iteration issues and waits for,
+    each issued after waiting for the previous (an address loaded from the block table, then K)."""
+    pending, level, groups, group, peak = [0] * 6, [0] * 6, [], 0, 0
     for second in (False, True):
+        reached = rounds = 0  # chain depth this iteration has waited through
         for ins in body:
             for sb in range(6):
                 if ins[4] >> sb & 1:
-                    pending[sb] = 0
+                    reached, pending[sb], level[sb] = max(reached, level[sb]), 0, 0
             base = ins[1].split(".")[0]
             if base == "DEPBAR" and (m := re.search(r"SB0,\s*0x([0-9a-f]+)", ins[2])):
                 del groups[: max(0, len(groups) - int(m.group(1), 16))]
@@ -313,25 +321,34 @@ def in_flight_bytes(body) -> int:
                 group += load_bytes_per_warp(ins)
             elif base == "LDG" and ins[3] < 6:
                 pending[ins[3]] += load_bytes_per_warp(ins)
+                level[ins[3]] = max(level[ins[3]], reached + 1)
             if second:
-                peak = max(peak, sum(pending) + sum(groups) + group)
-    return peak
+                peak, rounds = max(peak, sum(pending) + sum(groups) + group), max(rounds, reached)
+        level = [0] * 6  # loads left for the next iteration overlap it: they start no chain there
+    return peak, rounds
 
 
 def main_loop(instrs) -> dict | None:
-    """The KV loop: innermost loop with >= half the global-load bytes of the heaviest loop."""
-    found, prefix = loops(instrs), [0]
+    """The KV loop: the innermost loop holding >= half the global-load bytes of the heaviest loop and
+    >= half the kernel's math (its HMMA / HGMMA, or FFMA without tensor cores), so a staging loop
+    nested in the KV loop is not taken for it."""
+    tensor = any(i[1].startswith(("HMMA", "HGMMA")) for i in instrs)
+    found, loads, math_ops = loops(instrs), [0], [0]
     for ins in instrs:
-        prefix.append(prefix[-1] + load_bytes_per_warp(ins))
-    spans = [(s, e, prefix[e + 1] - prefix[s]) for s, e in found]
-    if not spans or max(b for _, _, b in spans) == 0:
+        loads.append(loads[-1] + load_bytes_per_warp(ins))
+        math_ops.append(math_ops[-1] + ins[1].startswith(("HMMA", "HGMMA") if tensor else ("FFMA",)))
+    spans = [(s, e, loads[e + 1] - loads[s], math_ops[e + 1] - math_ops[s]) for s, e in found]
+    if not spans or max(x[2] for x in spans) == 0:
         return None
-    heaviest = max(b for _, _, b in spans)
-    s, e, nbytes = next(x for x in spans if x[2] * 2 >= heaviest)
+    heaviest = max(x[2] for x in spans)
+    candidates = [x for x in spans if x[2] * 2 >= heaviest]
+    s, e, nbytes, _ = next((x for x in candidates if x[3] * 2 >= math_ops[-1]), candidates[0])
     body = instrs[s : e + 1]
+    peak, rounds = in_flight_bytes(body)
     return dict(start=hex(instrs[s][0]), end=hex(instrs[e][0]), instructions=len(body), bytes_per_warp=nbytes,
                 ldgsts_bytes_per_warp=sum(load_bytes_per_warp(i) for i in body if i[1].startswith("LDGSTS")),
-                commit_groups=sum(i[1] == "LDGDEPBAR" for i in body), in_flight_bytes_per_warp=in_flight_bytes(body),
+                commit_groups=sum(i[1] == "LDGDEPBAR" for i in body), in_flight_bytes_per_warp=peak,
+                dependent_load_rounds=rounds,
                 nested_loops=sum(1 for a, b in found if s <= a and b <= e and (a, b) != (s, e)),
                 instructions_per_byte=len(body) / nbytes, mix=mix(body))
 
@@ -358,9 +375,11 @@ def ceilings(dev: Device, loop: dict, resident_warps: int, latency_ns: float) ->
     """Issue-rate and Little's-law bandwidth ceilings (bytes/s, and as a share of the DRAM peak)."""
     issue = dev.sms * dev.issue_per_clock * dev.clock_hz * loop["bytes_per_warp"] / loop["instructions"]
     little = dev.sms * resident_warps * loop["in_flight_bytes_per_warp"] / (latency_ns * 1e-9)
+    rounds = loop["dependent_load_rounds"]
+    chain = dev.sms * resident_warps * loop["bytes_per_warp"] / (rounds * latency_ns * 1e-9) if rounds else math.inf
     return dict(issue_bytes_s=issue, issue_share=issue / dev.dram_bytes_s, little_bytes_s=little,
-                little_share=little / dev.dram_bytes_s,
-                bound_share=min(issue, little, dev.dram_bytes_s) / dev.dram_bytes_s)
+                little_share=little / dev.dram_bytes_s, chain_bytes_s=chain, chain_share=chain / dev.dram_bytes_s,
+                bound_share=min(issue, little, chain, dev.dram_bytes_s) / dev.dram_bytes_s)
 
 
 # ---- the report --------------------------------------------------------------------------------
@@ -439,7 +458,7 @@ def markdown(rows: list[dict], full: bool = False) -> str:
         groups.setdefault((r["arch"], r["family"]) + ((tuple(r["args"]),) if full else ()), []).append(r)
     head = ["arch", "kernel", "n", "regs", "stack", "local", "smem (st+dyn)", "threads", "occupancy",
             "HMMA %", *MIX_COLUMNS, "loop instr", "loop HMMA", "loop B/warp", "instr/B", "in flight B/warp",
-            "issue ceiling", "Little ceiling", "bound"]
+            "rounds", "issue ceiling", "Little ceiling", "chain ceiling", "bound"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, rs in groups.items():
         loops_ = [r["loop"] for r in rs if "loop" in r]
@@ -454,20 +473,24 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                  _rng([lp["bytes_per_warp"] for lp in loops_]),
                  _rng([lp["instructions_per_byte"] for lp in loops_], "{:.3f}"),
                  _rng([lp["in_flight_bytes_per_warp"] for lp in loops_], "{:.0f}"),
+                 _rng([lp["dependent_load_rounds"] for lp in loops_]),
                  _rng([lp.get("issue_share") for lp in loops_], "{:.0%}"),
                  _rng([lp.get("little_share") for lp in loops_], "{:.0%}"),
+                 _rng([lp.get("chain_share") for lp in loops_ if lp.get("chain_share", math.inf) < math.inf], "{:.0%}"),
                  _rng([lp.get("bound_share") for lp in loops_], "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def model_note(latency_ns: float) -> str:
-    d = DEVICES["sm_90"]
-    return (f"Ceilings (estimates, see bench/sass.py's docstring) as a share of the {d.name}'s "
-            f"{d.dram_bytes_s / 1e12:.1f} TB/s for sm_90 code, of the A100's for sm_80: issue = "
-            f"{d.sms} SMs x {d.issue_per_clock} warp-instr/clk x {d.clock_hz / 1e9:.2f} GHz x loop bytes / loop "
-            f"instructions; Little = resident warps x SMs x bytes in flight / {latency_ns:.0f} ns (assumed "
-            "latency). Occupancy at the launch shape of bench/sass.py's LAUNCH table.\n")
+    h, a = DEVICES["sm_90"], DEVICES["sm_80"]
+    return (f"Ceilings are static estimates (bench/sass.py's docstring), shares of the DRAM peak: sm_90 code on an "
+            f"{h.name} ({h.sms} SMs, {h.clock_hz / 1e9:.2f} GHz, {h.dram_bytes_s / 1e12:.1f} TB/s), sm_80 on an "
+            f"{a.name} ({a.sms}, {a.clock_hz / 1e9:.2f}, {a.dram_bytes_s / 1e12:.3f}). Issue = SMs x 4 warp-instr/clk "
+            "x clock x loop bytes per warp / loop instructions; Little = SMs x resident warps x bytes in flight per "
+            f"warp / {latency_ns:.0f} ns (an assumed latency); chain = SMs x resident warps x loop bytes / (rounds of "
+            "dependent loads x latency). Occupancy and smem at the launch shapes of "
+            "bench/sass.py's LAUNCH table; bound = min(issue, Little, chain, 100%).\n")
 
 
 def main(argv=None) -> int:
