@@ -5,6 +5,9 @@
 #   bash bench/device_check.sh                 # everything below, within TOTAL_BUDGET_S
 #   bash bench/device_check.sh --preflight F   # only the 5-second preflight (writes its findings to F)
 #
+# Through the device tool: one run of `bash bench/device_check.sh` with timeout_s 540 (the 480 s of
+# steps, the per-step bookkeeping, slack), nothing carried: it builds there, from the copied tree.
+#
 # With a GPU, in this order (the headline's measurements before the long tests, so a short run still
 # has them): a preflight of every tool and package used; the build (CUDA arch 90 only, without the
 # emulator backend and the extra CPU ISA builds, which only the CPU machines test); the headline
@@ -282,7 +285,7 @@ echo "=== $MODE"
 write_summary
 TEST_ARGS=(-q -p no:cacheprovider --maxfail=25)
 # the tests compile Triton kernels by the hundred: a few processes compile them side by side
-[ "$HAVE_PYTEST_XDIST" = 1 ] && XDIST=(-n "${TEST_WORKERS:-6}") || XDIST=()
+[ "$HAVE_PYTEST_XDIST" = 1 ] && XDIST=(-n "${TEST_WORKERS:-8}") || XDIST=()
 
 if [ "$PLAN" = "$GPU_PLAN" ]; then
     # no network on the device machine: build with what is installed, fetch nothing
