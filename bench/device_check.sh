@@ -290,7 +290,7 @@ TEST_ARGS=(-q -p no:cacheprovider --maxfail=25)
 if [ "$PLAN" = "$GPU_PLAN" ]; then
     # no network on the device machine: build with what is installed, fetch nothing
     if step build env PAGED_OPS_CUDA=on PAGED_OPS_CUDA_ARCHS="${PAGED_OPS_CUDA_ARCHS:-90}" PAGED_OPS_CUDA_EMU=off \
-        bash -c '"$0" -m pip install -q --no-build-isolation --no-deps -C cmake.define.PAGED_OPS_CPU_ISAS=portable -e . &&
+        bash -c '"$0" -m pip install -q --no-build-isolation --no-deps --config-settings=cmake.define.PAGED_OPS_CPU_ISAS=portable -e . &&
                  "$0" -c "import paged_ops; print(\"backends:\", paged_ops.available_backends())"' "$PY"; then
         BUILT=1
     else

@@ -208,7 +208,7 @@ def test_step_environment(gpu_run):
     assert "'PAGED_OPS_CUDA': 'on'" in build and "'PAGED_OPS_CUDA_ARCHS': '90'" in build
     assert "'PAGED_OPS_CUDA_EMU': 'off'" in build
     pip = next(line for line in calls.read_text().splitlines() if line.startswith("build\t-m pip"))
-    assert "-C cmake.define.PAGED_OPS_CPU_ISAS=portable" in pip
+    assert "--config-settings=cmake.define.PAGED_OPS_CPU_ISAS=portable" in pip
     for name in ("gpu-contract", "memcheck", "racecheck", "variants-bench"):
         assert "'PAGED_OPS_AUTOTUNE': '0'" in (logs / f"{name}.log").read_text(), name
     bench = (logs / "bench-kernels.log").read_text()
