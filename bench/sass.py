@@ -176,6 +176,15 @@ def cuobjdump(path: str, *args: str) -> str:
     return subprocess.run([tool, *args, path], check=True, capture_output=True, text=True).stdout
 
 
+def archs_in(path: str) -> set[str]:
+    """The SASS archs (sm_XX) a cubin / .so carries (`cuobjdump -lelf`; a cubin's own name otherwise)."""
+    try:
+        listing = cuobjdump(path, "-lelf")
+    except subprocess.CalledProcessError:
+        listing = ""
+    return set(re.findall(r"\.(sm_\d+)\.", listing)) or set(re.findall(r"\.(sm_\d+)\.cubin$", path))
+
+
 def demangle(names: list[str]) -> dict[str, str]:
     """Itanium names to C++ (one c++filt / cu++filt process for all); unchanged when neither exists."""
     tool = find_tool("cu++filt") or shutil.which("c++filt")
@@ -511,9 +520,10 @@ def main(argv=None) -> int:
         from bench.sass_anchor_build import build_anchors  # noqa: PLC0415
 
         paths = build_anchors(archs, flashinfer=a.flashinfer, flash_attn=a.flash_attn, cccl=a.cccl)
-        rows = [r for p in paths for r in kernel_rows(p, [x for x in archs if f".{x}." in p], a.latency_ns)]
+        rows = [r for p in paths for r in kernel_rows(p, sorted(set(archs) & archs_in(p)), a.latency_ns)]
     else:
-        rows = cached_rows(a.so or default_so(), archs, a.latency_ns)
+        so = a.so or default_so()
+        rows = cached_rows(so, sorted(set(archs) & archs_in(so)), a.latency_ns)
     table = markdown(rows, a.full) + "\n" + model_note(a.latency_ns)
     print(table)
     if a.json:
