@@ -75,9 +75,21 @@ def _ratio(a, b) -> float:
     return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else float("nan")
 
 
-def headline_rows(rows: list[dict], peaks: dict) -> list[dict]:
+def _cache_note(row: dict, l2_bytes) -> str:
+    """Why a time may be flattered: the rotated inputs together within 4x the L2 (the rotation
+    rule of bench/common.py), so a round can find its KV still cached."""
+    if not l2_bytes or row["op"] != "decode_attention":
+        return ""
+    together = row.get("input_sets", 1) * row["bytes"]
+    if together >= 4 * l2_bytes:
+        return ""
+    return f"L2-warm? {row.get('input_sets', 1)} input sets x {row['bytes'] / 2**20:.0f} MiB KV < 4 x L2"
+
+
+def headline_rows(rows: list[dict], peaks: dict, l2_bytes: int | None = None) -> list[dict]:
     """One entry per (headline shape, backend): ours first, then the op's torch reference. A
-    backend with several rows of one shape (two results files) keeps its fastest."""
+    backend with several rows of one shape (two results files) keeps its fastest. l2_bytes (the
+    GPU's, from machine_info) marks rows whose rotated inputs could stay in the L2."""
     copy = (peaks.get("cuda") or {}).get("copy_gbps")
     matmul = (peaks.get("cuda") or {}).get("matmul_tflops")
     out = []
@@ -99,7 +111,7 @@ def headline_rows(rows: list[dict], peaks: dict) -> list[dict]:
                           "of_matmul": _ratio(r["tflops"], matmul),
                           "vs_reference": (_ratio(ref_row["seconds"], r["seconds"])
                                            if ref_row is not None and backend != ref else float("nan")),
-                          "tuning": r.get("tuning", "")}
+                          "tuning": r.get("tuning", ""), "note": _cache_note(r, l2_bytes)}
             out.append(entry)
     return out
 
@@ -120,7 +132,7 @@ def render(entries: list[dict], peaks: dict, info: dict) -> str:
              "decode: KV bytes read / time vs copy (and vs nominal); prefill: causal FLOPs / time vs matmul; "
              "x ref: the torch reference's time / this backend's (> 1: faster than it)",
              f"{'shape':<46} {'backend':<17} {'ms':>8} {'GB/s':>7} {'of copy':>7} {'of nom':>6} "
-             f"{'TFLOP/s':>7} {'of mm':>6} {'x ref':>6}  tuning"]
+             f"{'TFLOP/s':>7} {'of mm':>6} {'x ref':>6}  tuning; notes"]
     for e in entries:
         head = f"{e['title']:<46} {e['backend']:<17}"
         if not e["measured"]:
@@ -131,7 +143,7 @@ def render(entries: list[dict], peaks: dict, info: dict) -> str:
                      f"{_f(e['of_copy'] if decode else float('nan'), '.2f'):>7} "
                      f"{_f(e['of_nominal'] if decode else float('nan'), '.2f'):>6} {_f(e['tflops'], '.1f'):>7} "
                      f"{_f(float('nan') if decode else e['of_matmul'], '.2f'):>6} {_f(e['vs_reference'], '.2f'):>6}  "
-                     f"{e['tuning']}")
+                     f"{'; '.join(x for x in (e['tuning'], e['note']) if x)}")
     measured = sum(e["measured"] for e in entries)
     lines.append(f"{measured} of {len(entries)} (shape, backend) pairs measured")
     return "\n".join(lines)
@@ -143,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the table's rows, the peaks and the machine here")
     args = ap.parse_args(argv)
     rows, peaks, info = load(args.directory)
-    entries = headline_rows(rows, peaks)
+    entries = headline_rows(rows, peaks, info.get("gpu_l2_bytes"))
     print(render(entries, peaks, info))
     if args.json:
         tmp = args.json.with_suffix(".tmp")

@@ -258,7 +258,7 @@ def test_cpu_path_without_a_gpu(fake):
 def test_headline_renders_from_sample_results(tmp_path):
     from bench import headline
     rows, peaks, info = headline.load(FIXTURES)
-    entries = headline.headline_rows(rows, peaks)
+    entries = headline.headline_rows(rows, peaks, info["gpu_l2_bytes"])
     table = headline.render(entries, peaks, info)
     assert len(entries) == 3 * len(headline.HEADLINE_SHAPES)  # cuda, triton and the reference each
     by = {(e["shape"], e["backend"]): e for e in entries}
@@ -271,12 +271,15 @@ def test_headline_renders_from_sample_results(tmp_path):
     assert pre["of_matmul"] == pytest.approx(pre["tflops"] / 780.0)
     assert pre["vs_reference"] == pytest.approx(0.8)  # SDPA flash 0.8 ms, triton 1.0 ms
     assert not by[("decode-group8", "triton")]["measured"]
+    # FlexAttention's batch-1 time came from 2 input sets of 16 MiB: within 4x the 60 MiB L2
+    assert by[("decode-batch1", "torch-flex-paged")]["note"].startswith("L2-warm?")
+    assert by[("decode-batch1", "cuda")]["note"] == "" and by[("decode", "cuda")]["note"] == ""
     lines = table.splitlines()
     assert "copy 4320 GB/s" in lines[1] and "matmul 780 TFLOP/s" in lines[1]
     for _, title, _ in headline.HEADLINE_SHAPES:
         assert sum(title in line for line in lines) == 3, title
     assert any("group 8" in line and "triton" in line and "not measured" in line for line in lines)
-    assert lines[-1] == "9 of 12 (shape, backend) pairs measured"
+    assert lines[-1] == "10 of 12 (shape, backend) pairs measured"
     # the CLI writes the same rows as JSON, whole
     assert headline.main([str(FIXTURES), "--json", str(tmp_path / "h.json")]) == 0
     data = json.loads((tmp_path / "h.json").read_text())
