@@ -5,19 +5,41 @@
 // explicit launch configuration, the KV byte counter) are in the namespace paged_cuda_emu_test.
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstring>
+
+#include "public/validate.h"
 
 #include "binding.h"
 
 namespace paged {
 void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_decode.cpp
 uint64_t emu_load_watch_end();
+// Device memory the host cannot read (device_memory.cpp).
+void* emu_device_alloc(size_t bytes);
+void emu_device_free(void* p, size_t bytes);
+void emu_close_device_memory(bool closed);
+bool emu_in_device_memory(const void* p);
+void emu_device_copy(void* dst, const void* src, size_t bytes);
 }  // namespace paged
 
 namespace paged_cuda_emu {
 namespace {
 
-void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream) { std::memcpy(dst, src, bytes); }
+// cudaMemcpyAsync's counterpart (swap_blocks): a copy engine's, so it may read device memory.
+void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream) { paged::emu_device_copy(dst, src, bytes); }
+
+// The test switch device_memory_as_host(True): the public layer is told the emulator's device memory
+// is host memory, so its content checks read it on the host (what a broken op path would do); the
+// graph-safety test shows that such a read dies.
+std::atomic<bool> device_memory_as_host{false};
+
+const paged::api::EmulatedDeviceMemory kDeviceMemory{
+    [](const void* p) { return !device_memory_as_host.load() && paged::emu_in_device_memory(p); },
+    paged::emu_device_copy};
+
+// The public layer learns which CPU memory is the emulator's device memory when the library loads.
+[[maybe_unused]] const bool kDeviceMemoryInstalled = (paged::api::set_emulated_device_memory(&kDeviceMemory), true);
 
 }  // namespace
 
@@ -99,4 +121,30 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
 TORCH_LIBRARY_IMPL(paged_cuda_emu_test, CPU, m) {
   m.impl("decode_kv_bytes_read", &paged_cuda_emu::decode_kv_bytes_read);
   m.impl("prefill_kv_bytes_read", &paged_cuda_emu::prefill_kv_bytes_read);
+}
+
+// Device memory the host cannot read (tests/test_cuda_graph_safety.py): device_memory(nbytes) is a
+// fresh page-aligned uint8 buffer that the ops take as device memory (their content checks skip it,
+// as on CUDA tensors); after close_device_memory(True) only kernels and device copies may touch it,
+// so any host read is a SIGSEGV; close_device_memory(False) makes it readable again.
+namespace paged_cuda_emu {
+namespace {
+
+at::Tensor device_memory(int64_t nbytes) {
+  TORCH_CHECK_VALUE(nbytes > 0, "device_memory: nbytes must be > 0, got ", nbytes);
+  void* p = paged::emu_device_alloc(size_t(nbytes));
+  return at::from_blob(p, {nbytes}, [nbytes](void* q) { paged::emu_device_free(q, size_t(nbytes)); },
+                       at::TensorOptions(at::kByte));
+}
+void close_device_memory(bool closed) { paged::emu_close_device_memory(closed); }
+void set_device_memory_as_host(bool on) { device_memory_as_host = on; }
+
+}  // namespace
+}  // namespace paged_cuda_emu
+
+// Defined with their kernels (catch-all): device_memory has no tensor argument to dispatch on.
+TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
+  m.def("device_memory(int nbytes) -> Tensor", &paged_cuda_emu::device_memory);
+  m.def("close_device_memory(bool closed) -> ()", &paged_cuda_emu::close_device_memory);
+  m.def("device_memory_as_host(bool on) -> ()", &paged_cuda_emu::set_device_memory_as_host);
 }

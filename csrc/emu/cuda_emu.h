@@ -599,10 +599,101 @@ inline void reset_func_attributes() {
   a.max_dynamic_smem.clear();
 }
 
+// ---- Device memory the host cannot read ----------------------------------------------------------
+// On a GPU the host cannot read a CUDA tensor without a copy and a sync (and not at all inside a CUDA
+// graph); on the emulator every "device" tensor is host memory. A test registers page-aligned regions
+// as device memory and closes them (PROT_NONE): from then on only kernels (launch() opens them while
+// blocks run) and device copies (device_copy) touch them, so a host read on an op's path is a SIGSEGV
+// instead of passing unnoticed.
+namespace detail {
+struct DeviceRegions {
+  std::mutex mu;
+  std::vector<std::pair<void*, size_t>> regions;  // page-aligned [begin, begin + bytes)
+  std::atomic<bool> any{false};                   // launches skip the lock while none is registered
+  bool closed = false;                            // PROT_NONE outside kernels and device copies
+  int open_users = 0;                             // launches and copies running now
+};
+inline DeviceRegions& device_regions() {
+  static DeviceRegions r;
+  return r;
+}
+inline void protect_regions(DeviceRegions& r, int prot) {  // r.mu held
+  for (const auto& [begin, bytes] : r.regions)
+    if (mprotect(begin, bytes, prot) != 0) throw Error("cuda_emu: mprotect of a device memory region failed");
+}
+// Device memory readable for the scope of one kernel launch or device copy (also when it throws).
+struct DeviceMemoryOpen {
+  bool counted = false;
+  DeviceMemoryOpen() {
+    DeviceRegions& r = device_regions();
+    if (!r.any.load()) return;
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (r.open_users++ == 0 && r.closed) protect_regions(r, PROT_READ | PROT_WRITE);
+    counted = true;
+  }
+  ~DeviceMemoryOpen() {
+    if (!counted) return;
+    DeviceRegions& r = device_regions();
+    std::lock_guard<std::mutex> lock(r.mu);
+    if (--r.open_users != 0 || !r.closed) return;
+    for (const auto& [begin, bytes] : r.regions)  // a destructor cannot throw: a failed mprotect aborts
+      if (mprotect(begin, bytes, PROT_NONE) != 0) std::abort();
+  }
+  DeviceMemoryOpen(const DeviceMemoryOpen&) = delete;
+  DeviceMemoryOpen& operator=(const DeviceMemoryOpen&) = delete;
+};
+}  // namespace detail
+
+// Register [begin, begin + bytes) (page-aligned, e.g. from mmap) as device memory; it takes the
+// current protection (closed or open).
+inline void register_device_region(void* begin, size_t bytes) {
+  detail::DeviceRegions& r = detail::device_regions();
+  std::lock_guard<std::mutex> lock(r.mu);
+  if (r.closed && r.open_users == 0 && mprotect(begin, bytes, PROT_NONE) != 0)
+    throw Error("cuda_emu: mprotect of a device memory region failed");
+  r.regions.emplace_back(begin, bytes);
+  r.any = true;
+}
+// Forget a region (before it is unmapped); it is left readable.
+inline void unregister_device_region(void* begin) {
+  detail::DeviceRegions& r = detail::device_regions();
+  std::lock_guard<std::mutex> lock(r.mu);
+  for (auto it = r.regions.begin(); it != r.regions.end(); ++it) {
+    if (it->first != begin) continue;
+    mprotect(it->first, it->second, PROT_READ | PROT_WRITE);
+    r.regions.erase(it);
+    break;
+  }
+  r.any = !r.regions.empty();
+}
+// closed: every region PROT_NONE except while a launch or a device copy runs; open: readable.
+inline void close_device_memory(bool closed) {
+  detail::DeviceRegions& r = detail::device_regions();
+  std::lock_guard<std::mutex> lock(r.mu);
+  r.closed = closed;
+  if (r.open_users == 0) detail::protect_regions(r, closed ? PROT_NONE : PROT_READ | PROT_WRITE);
+}
+// Whether p lies in a registered region.
+inline bool in_device_memory(const void* p) {
+  detail::DeviceRegions& r = detail::device_regions();
+  if (!r.any.load()) return false;
+  std::lock_guard<std::mutex> lock(r.mu);
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [begin, bytes] : r.regions)
+    if (a >= reinterpret_cast<uintptr_t>(begin) && a < reinterpret_cast<uintptr_t>(begin) + bytes) return true;
+  return false;
+}
+// cudaMemcpy on the emulator: a copy engine's read, not the host's, so it may touch device memory.
+inline void device_copy(void* dst, const void* src, size_t bytes) {
+  const detail::DeviceMemoryOpen open;
+  std::memcpy(dst, src, bytes);
+}
+
 // kernel<<<grid, block, smem>>>(args...) on the CPU. Synchronous; throws cuda_emu::Error.
 template <typename... KArgs, typename... Args>
 void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
   detail::check_launch(grid, block, smem);
+  const detail::DeviceMemoryOpen device_memory_open;  // the blocks may read device memory, the host not
   const size_t smem_cap = detail::max_dynamic_smem_of(reinterpret_cast<const void*>(kernel));
   if (smem > smem_cap)
     throw Error("cuda_emu: invalid launch (grid " + detail::dim_str(grid) + ", block " + detail::dim_str(block) +

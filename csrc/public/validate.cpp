@@ -4,7 +4,10 @@
 
 #include <c10/util/Exception.h>
 
+#include <ATen/ops/empty.h>
+
 #include <algorithm>
+#include <atomic>
 #include <iterator>
 #include <numeric>
 #include <cmath>
@@ -82,12 +85,27 @@ bool content_checks_forced() {
   return v != nullptr && std::strcmp(v, "1") == 0;
 }
 
-// Whether the contents of t are checked: always on the CPU; elsewhere a host copy costs a
-// device sync, so only when asked for.
-bool reads_contents(const Tensor& t) { return t.is_cpu() || content_checks_forced(); }
+std::atomic<const EmulatedDeviceMemory*> emulated_device_memory{nullptr};
 
-// t itself on the CPU (no copy); a host copy otherwise.
-Tensor host(const Tensor& t) { return t.is_cpu() ? t : t.cpu(); }
+// A CPU tensor whose memory stands for device memory (set_emulated_device_memory).
+bool emulated_device(const Tensor& t) {
+  const EmulatedDeviceMemory* memory = emulated_device_memory.load(std::memory_order_acquire);
+  return memory != nullptr && t.is_cpu() && t.numel() > 0 && memory->holds(t.const_data_ptr());
+}
+
+// Whether the contents of t are checked: always in host memory; in device memory a host copy
+// costs a device sync (and breaks CUDA-graph capture), so only when asked for.
+bool reads_contents(const Tensor& t) { return (t.is_cpu() && !emulated_device(t)) || content_checks_forced(); }
+
+// t itself in host memory (no copy); a host copy otherwise. Only contiguous tensors are read.
+Tensor host(const Tensor& t) {
+  if (!t.is_cpu()) return t.cpu();
+  if (!emulated_device(t)) return t;
+  TORCH_CHECK(t.is_contiguous(), "paged_ops: internal: a content check read a non-contiguous tensor");
+  Tensor copy = at::empty(t.sizes(), t.options());
+  emulated_device_memory.load()->copy_to_host(copy.data_ptr(), t.const_data_ptr(), t.nbytes());
+  return copy;
+}
 
 // ---- outputs apart from inputs ---------------------------------------------------------------
 // Whether two tensors may share a byte. Exact for the layouts callers use: disjoint byte spans;
@@ -491,6 +509,10 @@ void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block
   TORCH_CHECK_VALUE(block_mapping.is_cpu(), "block_mapping must be on the CPU, not ", block_mapping.device());
   check_block_mapping(block_mapping, c10::Device(c10::kCPU), src.size(0), dst.size(0), false);
   check_outputs_apart({{"dst", &dst}}, {{"src", &src}, {"block_mapping", &block_mapping}});
+}
+
+void set_emulated_device_memory(const EmulatedDeviceMemory* memory) {
+  emulated_device_memory.store(memory, std::memory_order_release);
 }
 
 }  // namespace paged::api

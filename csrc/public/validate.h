@@ -49,4 +49,14 @@ void check_copy_blocks(at::TensorList key_caches, at::TensorList value_caches,
                        const Tensor& block_mapping);
 void check_swap_blocks(const Tensor& src, const Tensor& dst, const Tensor& block_mapping);
 
+// CPU memory that stands for device memory: the cuda_emu backend's test buffers that the host
+// cannot read (csrc/cuda_emu/backend.cpp). Content checks treat tensors in it as they treat CUDA
+// tensors (only with PAGED_OPS_CHECK=1, then through copy_to_host, the emulator's cudaMemcpy).
+// Installed once by a backend; csrc/public knows nothing else of the emulator.
+struct EmulatedDeviceMemory {
+  bool (*holds)(const void* data);
+  void (*copy_to_host)(void* dst, const void* src, size_t bytes);
+};
+void set_emulated_device_memory(const EmulatedDeviceMemory* memory);
+
 }  // namespace paged::api
