@@ -1,6 +1,7 @@
 """Cache-writing ops: ``reshape_and_cache`` (with fused fp8 quantization), ``copy_blocks``, ``swap_blocks``."""
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -140,6 +141,16 @@ def _block_is_dense(cache: torch.Tensor) -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=64)
+def _address_table(device: torch.device, bases: tuple, block_strides: tuple, block_words: tuple) -> torch.Tensor:
+    """[3, num_caches] int64 on the device: base addresses, block strides and block sizes (in words).
+    Built once per set of caches (an engine's caches live as long as it does): a host-to-device copy
+    from pageable memory per call would sync the host with the stream and cannot be captured in a
+    CUDA graph. The table is a function of its key alone, so a freed cache's address taken by
+    another cache of the same geometry gets the right table."""
+    return torch.tensor([bases, block_strides, block_words], dtype=torch.int64).to(device)
+
+
 def copy_blocks(key_caches: list, value_caches: list, block_mapping: torch.Tensor) -> None:
     """``cache[dst] = cache[src]`` for every (src, dst) row and every layer, in one launch.
 
@@ -159,12 +170,9 @@ def copy_blocks(key_caches: list, value_caches: list, block_mapping: torch.Tenso
         word = math.gcd(word, c.data_ptr(), c.stride(0) * c.element_size(),
                         math.prod(c.shape[1:]) * c.element_size())
     word = min(word, 8)
-    device = dense[0].device
-    table = torch.tensor(
-        [[c.data_ptr() for c in dense],
-         [c.stride(0) * c.element_size() // word for c in dense],
-         [math.prod(c.shape[1:]) * c.element_size() // word for c in dense]],
-        dtype=torch.int64).to(device)
+    table = _address_table(dense[0].device, tuple(c.data_ptr() for c in dense),
+                           tuple(c.stride(0) * c.element_size() // word for c in dense),
+                           tuple(math.prod(c.shape[1:]) * c.element_size() // word for c in dense))
     max_words = max(math.prod(c.shape[1:]) * c.element_size() // word for c in dense)
     block = min(4096, next_pow2(max_words))
     grid = (block_mapping.shape[0], len(dense), triton.cdiv(max_words, block))
