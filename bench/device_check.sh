@@ -48,8 +48,9 @@ GPU_PLAN="preflight:${PREFLIGHT_S:-5} build:${BUILD_S:-200} bench-kernels:${BENC
  memcheck:${MEMCHECK_S:-25} racecheck:${RACECHECK_S:-12} synccheck:${SYNCCHECK_S:-10}
  variants-bench:${VARIANTS_BENCH_S:-0} headline:${HEADLINE_S:-3}"
 CPU_PLAN="preflight:${PREFLIGHT_S:-5} kernel-bench-cpu:${BENCH_CPU_S:-150} headline:${HEADLINE_S:-3}"
-# Seconds the headline benchmark may spend tuning (bench/kernels.py tune: PAGED_BENCH_TUNE_S); the
-# tests and the variants benchmark tune nothing (PAGED_OPS_AUTOTUNE=0: the kernels' defaults).
+# Seconds each backend may spend tuning in the headline benchmark (bench/kernels.py tune:
+# PAGED_BENCH_TUNE_S); the tests and the variants benchmark tune nothing (PAGED_OPS_AUTOTUNE=0:
+# the kernels' defaults).
 BENCH_TUNE_S=${BENCH_TUNE_S:-30}
 LOG_TAIL_LINES=${LOG_TAIL_LINES:-400}
 

@@ -187,10 +187,11 @@ def kernel(backend: str, op: str) -> Callable:
     return paged_ops.backend(backend).unchecked(op)
 
 
-# Seconds of tuning this process may still spend (PAGED_BENCH_TUNE_S; unset: no limit). The
-# device check has one 10-minute command: the Triton tuner compiles every candidate of every new
-# shape bucket, which unbounded could take the benchmark's whole budget.
-_tuning = {"spent_s": 0.0, "last": {}}
+# Seconds of tuning each backend may spend in this process (PAGED_BENCH_TUNE_S; unset: no limit).
+# The device check has one 10-minute command: the Triton tuner compiles every candidate of every
+# new shape bucket, which unbounded could take the benchmark's whole budget. Per backend, so that
+# Triton's compiles do not leave the cuda tuner (timing only, no compiles) without its seconds.
+_tuning = {"spent_s": {}, "last": {}}
 
 
 def tune_budget_s() -> float:
@@ -203,15 +204,17 @@ def tune(backend: str, op: str, args: tuple) -> None:
     backend tunes attention only when asked (paged_ops.tuning.tune_cuda_*, persisted per shape
     bucket); the triton backend tunes by itself on a shape's first call, made here once.
 
-    Bounded by PAGED_BENCH_TUNE_S, the seconds of tuning in this process: once spent, the
-    remaining shapes run their backend's default config (PAGED_OPS_AUTOTUNE=0 from then on, the
-    tuner's own switch). A tuning already started runs to its end, so the budget can be overrun by
-    one shape's sweep. What each shape got is in its row's ``tuning`` field (record)."""
+    Bounded by PAGED_BENCH_TUNE_S, the seconds of tuning per backend in this process: once a
+    backend has spent them, its remaining shapes run their default config (for triton
+    PAGED_OPS_AUTOTUNE=0 from then on, the tuner's own switch). A tuning already started runs to
+    its end, so the budget can be overrun by one shape's sweep. What each shape got is in its row's
+    ``tuning`` field (record)."""
     if backend not in ("cuda", "triton") or op not in ("decode_attention", "prefill_attention"):
         return
     from paged_ops import tuning
-    if _tuning["spent_s"] >= tune_budget_s():
-        os.environ["PAGED_OPS_AUTOTUNE"] = "0"
+    if _tuning["spent_s"].get(backend, 0.0) >= tune_budget_s():
+        if backend == "triton":
+            os.environ["PAGED_OPS_AUTOTUNE"] = "0"
         _tuning["last"][(backend, op)] = "not tuned here (tuning budget spent)"
         return
     if backend == "triton" and not tuning.tuning_enabled():  # interpreter, PAGED_OPS_AUTOTUNE=0, no GPU
@@ -223,7 +226,7 @@ def tune(backend: str, op: str, args: tuple) -> None:
     else:
         validated_kernel(backend, op)(*args)
         torch.cuda.synchronize()
-    _tuning["spent_s"] += time.perf_counter() - t
+    _tuning["spent_s"][backend] = _tuning["spent_s"].get(backend, 0.0) + time.perf_counter() - t
     last = tuning.last_config(backend, op) or {}
     _tuning["last"][(backend, op)] = last.get("source", "?")
 

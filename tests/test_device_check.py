@@ -299,8 +299,9 @@ def test_headline_shapes_are_the_device_check_profile():
 
 
 def test_tuning_budget_of_the_benchmark(monkeypatch):
-    """bench/kernels.py tune: tunes until PAGED_BENCH_TUNE_S seconds are spent, then switches the
-    tuner off (PAGED_OPS_AUTOTUNE=0) and marks the rows; the tuner itself is faked (no GPU here)."""
+    """bench/kernels.py tune: each backend tunes until it has spent PAGED_BENCH_TUNE_S seconds,
+    then its shapes run untuned (triton: PAGED_OPS_AUTOTUNE=0) and the rows say so; the tuner itself
+    is faked (no GPU here)."""
     from bench import kernels
     from paged_ops import tuning
     calls = []
@@ -311,19 +312,23 @@ def test_tuning_budget_of_the_benchmark(monkeypatch):
 
     monkeypatch.setattr(tuning, "tune_cuda_decode", fake_tune)
     monkeypatch.setattr(tuning, "last_config", lambda backend, op: {"key": [], "config": {}, "source": "tuned"})
-    monkeypatch.setattr(kernels, "_tuning", {"spent_s": 0.0, "last": {}})
+    monkeypatch.setattr(kernels, "_tuning", {"spent_s": {}, "last": {}})
     monkeypatch.setenv("PAGED_BENCH_TUNE_S", "0.04")
     monkeypatch.setenv("PAGED_OPS_AUTOTUNE", "1")
     case = kernels.device_check_cases()[0]
     kernels.tune("cuda", "decode_attention", ("first",))
     assert calls == [("first",)] and kernels.record(case, "cuda", 1e-3, 3, 2)["tuning"] == "tuned"
     kernels.tune("cuda", "decode_attention", ("second",))  # the budget is spent: not tuned
-    assert calls == [("first",)] and os.environ["PAGED_OPS_AUTOTUNE"] == "0"
+    assert calls == [("first",)]
     assert kernels.record(case, "cuda", 1e-3, 3, 2)["tuning"] == "not tuned here (tuning budget spent)"
+    # triton's budget is its own: spent, it turns the Triton tuner off for the rest of the process
+    kernels._tuning["spent_s"]["triton"] = 0.05
+    kernels.tune("triton", "decode_attention", ("third",))
+    assert os.environ["PAGED_OPS_AUTOTUNE"] == "0" and calls == [("first",)]
     kernels.tune("cpu", "decode_attention", ("cpu",))  # the cpu backend has no tuner: no mark either
     assert "tuning" not in kernels.record(case, "cpu", 1e-3, 3, 2)
     # triton tunes in its first call, only where the tuner is on (a GPU, no interpreter): here no call
     monkeypatch.setattr(kernels, "validated_kernel", lambda *a: pytest.fail("called with the tuner off"))
-    monkeypatch.setattr(kernels, "_tuning", {"spent_s": 0.0, "last": {}})
+    monkeypatch.setattr(kernels, "_tuning", {"spent_s": {}, "last": {}})
     kernels.tune("triton", "decode_attention", ("interpreted",))
     assert kernels.record(case, "triton", 1e-3, 3, 2)["tuning"] == "default (tuning off)"
