@@ -39,12 +39,10 @@ def in_a_new_process(cache_dir, code, *args, gpu=True, timeout=180):
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
+def empty_store(tmp_path, monkeypatch):
     """An empty tuning store and an empty choice table, before and after."""
     if not tuning.cuda_available():
         pytest.skip("extension built without the CUDA backend: CUDA tensors always run on triton")
-    if "cuda_emu" not in paged_ops.available_backends() or "triton" not in paged_ops.available_backends():
-        pytest.skip("needs the cuda_emu backend and triton's interpreter to stand in for the GPU")
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("PAGED_OPS_BACKEND", raising=False)
     monkeypatch.setattr(tuning, "_warned", set())
@@ -52,6 +50,14 @@ def store(tmp_path, monkeypatch):
     _C._set_backend_choices([], [], True)
     yield tmp_path
     _C._set_backend_choices([], [], True)
+
+
+@pytest.fixture
+def store(empty_store):
+    """empty_store, where the emulator and triton's interpreter stand in for the GPU's backends."""
+    if "cuda_emu" not in paged_ops.available_backends() or "triton" not in paged_ops.available_backends():
+        pytest.skip("needs the cuda_emu backend and triton's interpreter to stand in for the GPU")
+    return empty_store
 
 
 def decode_case(seed=3):
@@ -346,3 +352,49 @@ def test_cpu_tensors_keep_the_cpu_backend_with_a_choice_installed(store):
     out = nan_like(case.query)
     torch.ops.paged.decode_attention(*case.decode_args(out))  # CPU tensors: the cpu backend
     assert_close(out, case.reference_decode(), torch.float32)
+
+
+# ---- on a GPU: the op path itself (csrc/public/select.cpp select_attention_backend) ----------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the per-call key of CUDA tensors needs a GPU")
+def test_on_a_gpu_the_public_op_follows_the_tuned_choice(empty_store, monkeypatch):
+    """The tuner on the device (real CUDA-event timings, a small budget), then the C++ op's own
+    per-call key: each installed choice routes torch.ops.paged.decode_attention / prefill_attention."""
+    import paged_ops.triton as triton_backend
+    if paged_ops.selected_backend("cuda") != "cuda" or "triton" not in paged_ops.available_backends():
+        pytest.skip("needs this build's cuda kernels for this GPU and triton")
+    ran = []
+    for op in ("decode_attention", "prefill_attention"):
+        original = getattr(triton_backend, op)
+
+        def spy(*args, _original=original, _op=op):
+            ran.append(_op)
+            return _original(*args)
+        monkeypatch.setattr(triton_backend, op, spy)
+
+    decode = make_case([37, 700], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                       dtype=torch.bfloat16, device="cuda", seed=5)
+    prefill = make_case([37, 300], [5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16,
+                        dtype=torch.bfloat16, device="cuda", seed=6)
+    for op, case, args, ref, max_q in (
+            ("decode_attention", decode, decode.decode_args, decode.reference_decode, None),
+            ("prefill_attention", prefill, prefill.prefill_args, prefill.reference_prefill, prefill.max_seqlen_q)):
+        out = nan_like(case.query)
+        got = tuning.tune_backend(op, *args(out), rounds=3, warmup=1, iters=5, budget_s=20.0, force=True)
+        assert got["source"] == "tuned" and all(v is not None and v > 0 for v in got["times_ms"].values()), got
+        key = key_of(case, max_q)
+        assert tuning.tuned_backends()[tuple(key)] == got["backend"]
+        for choice in ("triton", "cuda"):
+            _C._set_backend_choices(key, [choice], False)
+            ran.clear()
+            out.fill_(float("nan"))
+            getattr(torch.ops.paged, op)(*args(out))
+            torch.cuda.synchronize()
+            assert ran == ([op] if choice == "triton" else []), (op, choice, ran)
+            assert_close(out.cpu(), ref(), torch.bfloat16, msg=f"{op} on {choice}")
+        # an explicit choice wins over the installed one
+        _C._set_backend_choices(key, ["cuda"], False)
+        ran.clear()
+        with paged_ops.use_backend("triton"):
+            getattr(torch.ops.paged, op)(*args(out))
+        assert ran == [op]
