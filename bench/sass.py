@@ -29,28 +29,34 @@ The model (everything below is static; each number is an estimate of a ceiling, 
 - Little's law ceiling: bytes in flight per warp = the most bytes the loop has requested and not yet
   waited for, followed through two iterations: an LDG until the first instruction that waits on its
   scoreboard (the control bits of the SASS), LDGSTS until `DEPBAR.LE SB0, N` retires its commit
-  group; bandwidth = resident warps per SM * 132 * bytes in flight per warp / latency. This is the
-  peak in flight, so an upper bound; the dependent-load chain gives a second one: an iteration
-  that issues and waits for R rounds of dependent LDGs (block-table entry -> its K row) takes at least
-  R latencies, so bandwidth <= resident warps * 132 * bytes per iteration / (R * latency). The latency is an ASSUMPTION:
-  600 ns, an unloaded Hopper HBM latency of ~500 ns by published pointer-chasing microbenchmarks
-  (Chips and Cheese "Nvidia's H100: Funny L2, and Tons of Bandwidth", 2023; Luo et al.,
-  arXiv:2402.13499) plus queueing under load; `--latency-ns` changes it.
-- Both ceilings are compared with the H200's 4.8 TB/s HBM3e (H200 product brief); the smallest of
-  the two and the peak is the kernel's static bound. Both assume a grid that fills every SM at the
-  kernel's occupancy (a shape's grid fill, e.g. the split-KV plan's, is not modelled) and ignore the
-  loop's other stalls (dependent loads, barriers, tensor-core throughput). sm_80 figures use
-  A100-SXM4-80GB (108 SMs, 1.41 GHz, 2.039 TB/s) with the same assumed latency.
+  group; bandwidth = 132 SMs * resident warps per SM * bytes in flight per warp / latency. That is
+  the peak in flight, so an upper bound.
+- Dependent-load chain ceiling: a warp issues in order, so an iteration that issues and waits for R
+  rounds of LDGs, each issued after waiting for the previous (a block-table entry, then the K row it
+  addresses), takes at least R latencies: bandwidth <= 132 * resident warps * bytes per iteration
+  / (R * latency).
+- The latency is an ASSUMPTION: 600 ns, an unloaded Hopper HBM latency of the order of 500 ns (the
+  order pointer-chasing microbenchmarks publish: Chips and Cheese, "Nvidia's H100: Funny L2, and
+  Tons of Bandwidth", 2023; Luo et al., arXiv:2402.13499; their exact figures not re-checked here)
+  plus queueing under load. `--latency-ns` changes it.
+- The ceilings are shares of the H200's 4.8 TB/s HBM3e (H200 product brief); the smallest of them
+  and 100% is the kernel's static bound. All assume a grid that fills every SM at the kernel's
+  occupancy (a shape's grid fill, e.g. the split-KV plan's, is not modelled) and ignore barriers,
+  shared-memory and tensor-core throughput; the loop body is walked in address order (both sides of
+  a branch inside it counted). sm_80 figures use A100-SXM4-80GB (108 SMs, 1.41 GHz, 2.039 TB/s)
+  with the same assumed latency.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections import Counter
@@ -422,16 +428,36 @@ def kernel_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY
     return rows
 
 
-def cached_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY_NS) -> list[dict]:
-    """kernel_rows, kept under build/sass-cache per file (name, size, mtime), archs and latency."""
-    st = os.stat(path)
-    key = f"{Path(path).name}-{st.st_size}-{int(st.st_mtime)}-{'_'.join(archs)}-{int(latency_ns)}.json"
-    cache = CACHE_DIR / key
+def elf_section(path: str, name: str) -> bytes | None:
+    """The bytes of a 64-bit little-endian ELF file's section (None: no such section, or not ELF)."""
+    data = Path(path).read_bytes()
+    if data[:5] != b"\x7fELF\x02":
+        return None
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
+    names = struct.unpack_from("<Q", data, shoff + shstrndx * shentsize + 0x18)[0]
+    for i in range(shnum):
+        header = shoff + i * shentsize
+        at = names + struct.unpack_from("<I", data, header)[0]
+        if data[at : data.index(b"\0", at)] == name.encode():
+            offset, size = struct.unpack_from("<QQ", data, header + 0x18)
+            return data[offset : offset + size]
+    return None
+
+
+def cached_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY_NS, keep: int = 4) -> list[dict]:
+    """kernel_rows, kept under build/sass-cache by a digest of the device code (the .so's .nv_fatbin,
+    or the whole file), so relinking the host code does not redo it; the newest `keep` are kept."""
+    code = elf_section(path, ".nv_fatbin") or Path(path).read_bytes()
+    digest = hashlib.sha1(code + repr((archs, latency_ns)).encode()).hexdigest()[:16]
+    cache = CACHE_DIR / f"{Path(path).name}-{digest}.json"
     if cache.exists():
         return json.loads(cache.read_text())
     rows = kernel_rows(path, archs, latency_ns)
     CACHE_DIR.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps(rows))
+    for old in sorted(CACHE_DIR.glob("*.json"), key=os.path.getmtime)[:-keep]:
+        old.unlink(missing_ok=True)
     return rows
 
 

@@ -8,7 +8,6 @@ holds the build to: flip a family to TARGETS when its rewrite lands.
 """
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 
 import pytest
@@ -49,23 +48,10 @@ ENFORCED = {
 }
 
 
-def _has_device_code(path: str) -> bool:
-    """Whether an ELF file has a .nv_fatbin section (the CUDA kernels' fatbinary)."""
-    data = Path(path).read_bytes()
-    shoff, = struct.unpack_from("<Q", data, 0x28)
-    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", data, 0x3A)
-    names_off = struct.unpack_from("<Q", data, shoff + shstrndx * shentsize + 0x18)[0]
-    for i in range(shnum):
-        name_at = names_off + struct.unpack_from("<I", data, shoff + i * shentsize)[0]
-        if data[name_at : data.index(b"\0", name_at)] == b".nv_fatbin":
-            return True
-    return False
-
-
 @pytest.fixture(scope="module")
 def rows():
     so = sass.default_so()
-    if not _has_device_code(so):
+    if sass.elf_section(so, ".nv_fatbin") is None:
         pytest.skip(f"{Path(so).name} has no CUDA device code (a CPU-only torch build): nothing to report")
     archs = [a for a in ARCHS if a in sass.archs_in(so)]
     assert archs, f"{Path(so).name} carries SASS for none of {ARCHS} (only {sorted(sass.archs_in(so))})"
