@@ -101,32 +101,44 @@ DEVICES = {
 # with plan.h. Anchors: from their launchers, cited in bench/sass_anchors/*.cu.
 
 
+# csrc/kernels/plan.h's constants the formulas below use (tests/test_sass.py checks them against
+# plan.h, so a plan change fails the suite until this table follows it).
+PLAN = dict(kDecodeThreads=128, kSharedKVChunk=64, kMaxStageBytes=32 * 1024, kMaxGroupTile=8,
+            kPrefillThreads=128, kPrefillKvTile=32, kTcRows=64, kTcKv=32, kTcThreads=128)
+
+
 def _elem(type_name: str) -> int:
     return 1 if any(t in type_name for t in ("fp8", "e4m3", "e5m2", "char")) else 4 if type_name == "float" else 2
 
 
+def _merge_floats(ntg: int, gstride: int, d: int) -> int:  # plan.h merge_floats
+    return ntg * gstride * (d + 2)
+
+
 def _decode(args):  # decode_kernel<T, KV, TPT, kGroupTile>: plan_decode's non-shared branch
     tpt, group = int(args[2]), int(args[3])
-    head, threads = 8 * tpt, 128  # each lane owns 8 dims; kDecodeThreads
-    return threads, threads // 32 * (32 // tpt) * group * (head + 2) * 4, f"head {head}, group {group}"
+    head, threads = 8 * tpt, PLAN["kDecodeThreads"]  # each lane owns 8 dims (lanes_per_token)
+    return threads, _merge_floats(threads // 32 * (32 // tpt), group, head) * 4, f"head {head}, group {group}"
 
 
 def _decode_shared(args):  # decode_shared_kv_kernel<T, KV>, group 16, head 128: shared_kv_smem
-    pitch = 128 * _elem(args[1])
-    chunk = min(64, 32 * 1024 // (2 * pitch))  # kSharedKVChunk, kMaxStageBytes
-    threads = 2 * 2 * 32  # 2 tiles of 8 heads x (128 / 32 / 2) warps
-    merge = threads // 32 * (32 // 16) * 8 * (128 + 2) * 4
+    pitch, tile = 128 * _elem(args[1]), PLAN["kMaxGroupTile"]
+    chunk = min(PLAN["kSharedKVChunk"], PLAN["kMaxStageBytes"] // (2 * pitch))
+    tiles = 16 // tile
+    threads = tiles * max(1, PLAN["kDecodeThreads"] // 32 // tiles) * 32  # tiles x warps_per_tile warps
+    merge = _merge_floats(threads // 32 * (32 // 16), tile, 128) * 4
     return threads, max(2 * 2 * chunk * pitch, merge), "head 128, group 16"
 
 
-def _prefill(args):  # prefill_kernel<T, KV>: kPrefillThreads, rows = threads / 8, kv_tile 32, head 128
-    rows, bn, d = 16, 32, 128
-    return 128, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, "head 128"
+def _prefill(args):  # prefill_kernel<T, KV>: rows = threads / 8, head 128
+    threads, bn, d = PLAN["kPrefillThreads"], PLAN["kPrefillKvTile"], 128
+    rows = threads // 8
+    return threads, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, "head 128"
 
 
-def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: kTcThreads, (kTcRows + 2 kTcKv) x (D + 8) x 2 B
+def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bit elements, head DMAX
     d = int(args[2])
-    return 128, (64 + 2 * 32) * (d + 8) * 2, f"head {d}"
+    return PLAN["kTcThreads"], (PLAN["kTcRows"] + 2 * PLAN["kTcKv"]) * (d + 8) * 2, f"head {d}"
 
 
 LAUNCH = [

@@ -8,6 +8,7 @@ holds the build to: flip a family to TARGETS when its rewrite lands.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,15 @@ def test_thresholds(rows, family):
         if r["arch"] == "sm_90" and bound < lim.get("min_bandwidth_bound", 0):
             bad.append(f"{where}: static bandwidth bound {bound:.0%} of 4.8 TB/s < {lim['min_bandwidth_bound']:.0%}")
     assert not bad, "\n".join(bad)
+
+
+def test_launch_table_follows_plan_h():
+    """bench/sass.py's launch shapes are transcribed from csrc/kernels/plan.h: its constants must agree."""
+    plan = (Path(sass.ROOT) / "csrc" / "kernels" / "plan.h").read_text()
+    for name, value in sass.PLAN.items():
+        m = re.search(rf"constexpr int {name} = ([0-9 *]+);", plan) or re.search(rf"\b{name} = ([0-9 *]+)[,;]", plan)
+        assert m, f"{name} is no longer in plan.h: update bench/sass.py's PLAN / LAUNCH"
+        assert eval(m.group(1)) == value, f"plan.h {name} = {m.group(1)}, bench/sass.py says {value}: update it"
 
 
 # ---- the report's own arithmetic, on known inputs ------------------------------------------------
