@@ -41,10 +41,13 @@ cd "$(dirname "$SELF")/.."
 TOTAL_BUDGET_S=480   # of the device command's 600 s; the rest for its start, copies and slack
 KILL_GRACE_S=${KILL_GRACE_S:-5}
 # name:limit, in run order. A limit of 0 skips the step (and costs no grace): issue #13's variants
-# benchmark gets none by default, the build's unmeasured compile time has it. A skipped step (no
-# compute-sanitizer, a failed build) costs nothing.
-GPU_PLAN="preflight:${PREFLIGHT_S:-5} build:${BUILD_S:-200} bench-kernels:${BENCH_KERNELS_S:-70}
- gpu-tests:${GPU_TESTS_S:-40} bench-references:${BENCH_REFERENCES_S:-30} gpu-contract:${GPU_CONTRACT_S:-25}
+# benchmark gets none by default. The build's limit is sized from ninja's longest job, nvcc of the
+# largest kernel file for sm_90 (one process each; the rest of the build is spread over 16 cores),
+# with half as much again and the configure step on top: an estimate until the first run's
+# .ninja_log comes back.
+# A skipped step (no compute-sanitizer, a failed build) costs nothing.
+GPU_PLAN="preflight:${PREFLIGHT_S:-5} build:${BUILD_S:-160} bench-kernels:${BENCH_KERNELS_S:-70}
+ gpu-tests:${GPU_TESTS_S:-60} bench-references:${BENCH_REFERENCES_S:-40} gpu-contract:${GPU_CONTRACT_S:-35}
  memcheck:${MEMCHECK_S:-25} racecheck:${RACECHECK_S:-12} synccheck:${SYNCCHECK_S:-10}
  variants-bench:${VARIANTS_BENCH_S:-0} headline:${HEADLINE_S:-3}"
 CPU_PLAN="preflight:${PREFLIGHT_S:-5} kernel-bench-cpu:${BENCH_CPU_S:-150} headline:${HEADLINE_S:-3}"
