@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import math
 import os
@@ -625,9 +626,19 @@ def load() -> int:
 # ---- the default backend of CUDA tensors: cuda or triton, per bucket -------------------------
 
 def choice_version() -> str:
-    """The code a backend choice was measured on: the ``cuda`` build's and the ``triton``
-    kernels' versions (``code_version``). Raises ImportError without triton."""
-    return f"{code_version('cuda')}|{code_version('triton')}"
+    """The code a backend choice was measured on: the ``cuda`` build's version (``code_version``)
+    and the triton kernels' (triton's release and a hash of paged_ops/triton's sources), read
+    without importing triton, so a GPU machine's ``import paged_ops`` stays fast. Raises
+    ImportError without triton."""
+    if "choice" not in _code_versions:
+        try:
+            release = importlib.metadata.version("triton")
+        except importlib.metadata.PackageNotFoundError:  # installed under another distribution name
+            import triton
+            release = triton.__version__
+        src = _hash_files((Path(__file__).parent / "triton").glob("*.py"))
+        _code_versions["choice"] = f"{code_version('cuda')}|{_package_version()}+triton{release}+{src}"
+    return _code_versions["choice"]
 
 
 def _median(values: list[float]) -> float:

@@ -10,6 +10,7 @@ given instead of asked of a GPU.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -262,8 +263,10 @@ def test_the_winner_is_reloaded_in_a_fresh_process(store):
             "other = key[:4] + [key[4] + 1] + key[5:]\n"
             "print(json.dumps([_C._resolve_backend('cuda', key, True), _C._resolve_backend('cuda:0', key, True),\n"
             "                  _C._resolve_backend('cuda', other, True), _C._resolve_backend('cuda', key, False)]))\n")
-    # a GPU machine's import installs the store
+    # a GPU machine's import installs the store, without importing triton (import stays fast)
     assert in_a_new_process(store, code, json.dumps(key)) == ["triton", "triton", "cuda", "triton"]
+    assert in_a_new_process(store, "print(json.dumps(['triton' in sys.modules, len(paged_ops.tuning.tuned_backends())]))\n"
+                            ) == [False, 1]
     # and the process's explicit choice still wins
     forced = in_a_new_process(store, "import os\nos.environ['PAGED_OPS_BACKEND'] = 'cuda'\n" + code, json.dumps(key))
     assert forced == ["cuda", "cuda", "cuda", "cuda"]
@@ -287,6 +290,7 @@ def test_a_stale_entry_is_ignored_and_the_bucket_tuned_again(store):
     case = decode_case()
     key = key_of(case)
     stale_version = tuning.code_version("cuda") + "|" + "0.0+triton0.0+0000000000000000"
+    assert tuning.choice_version() != stale_version and tuning.choice_version().startswith(tuning.code_version("cuda"))
     write_store(store, [choice_entry(key, "triton", version=stale_version)])
     assert tuning.load() == 0 and resolve(key) == "cuda"  # another triton's measurement: not installed
     out = nan_like(case.query)
@@ -398,3 +402,17 @@ def test_on_a_gpu_the_public_op_follows_the_tuned_choice(empty_store, monkeypatc
         with paged_ops.use_backend("triton"):
             getattr(torch.ops.paged, op)(*args(out))
         assert ran == [op]
+
+
+def test_without_triton_no_choice_is_installed(store, monkeypatch):
+    key = key_of(decode_case())
+    write_store(store, [choice_entry(key, "triton")])
+    assert tuning.load() == 1 and resolve(key) == "triton"
+
+    def no_distribution(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(tuning, "_code_versions", {})
+    monkeypatch.setattr(importlib.metadata, "version", no_distribution)
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton: ImportError
+    assert tuning.load() == 0  # a choice of triton cannot be checked, nor run: none installed
+    assert resolve(key) == "cuda" and _C._backend_choices() == ()
