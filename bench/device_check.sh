@@ -309,11 +309,13 @@ if [ "$PLAN" = "$GPU_PLAN" ]; then
         "$PY" -m pytest "${TEST_ARGS[@]}" bench/test_kernels.py --benchmark-enable
     # the kernel tests (variants, merges, batch invariance of test_cuda_gpu.py), what the emulator
     # cannot prove (test_cuda_device_checks.py: odd-offset views, padded tensor-core head sizes, a
-    # cache past 2^31 elements, the kernel-bug regressions), the engine end to end on the GPU
+    # cache past 2^31 elements, the kernel-bug regressions), the tuned cuda/triton choice followed by
+    # the public op on CUDA tensors (test_backend_choice.py), the engine end to end on the GPU
     ENGINE=(tests/test_engine_e2e.py)
     [ "$HAVE_TRANSFORMERS" = 1 ] || ENGINE=()
     run_gpu gpu-tests env PAGED_OPS_AUTOTUNE=0 "$PY" -m pytest "${TEST_ARGS[@]}" "${XDIST[@]}" \
-        tests/test_cuda_gpu.py tests/test_triton.py tests/test_cuda_device_checks.py "${ENGINE[@]}"
+        tests/test_cuda_gpu.py tests/test_triton.py tests/test_cuda_device_checks.py \
+        tests/test_backend_choice.py "${ENGINE[@]}"
     run_gpu bench-references "${BENCH_ENV[@]}" "$PY" -m pytest "${TEST_ARGS[@]}" bench/test_references.py --benchmark-enable
     # the op contract on CUDA tensors (test_ops.py's cuda and triton cases; its cpu ones run in
     # `make test`) and the attention variants in both CUDA prefill kernels
