@@ -25,8 +25,12 @@
 
 #include <algorithm>
 #include <climits>
+#include <atomic>
 #include <limits>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <tuple>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -316,7 +320,35 @@ inline CacheDesc cache_desc(const Tensor& c) {
   return d;
 }
 
-// All layers in one launch: the per-cache descriptors travel to the device in one small copy.
+// The device copy of a set of caches' descriptors, built once per set (key: the descriptors' own
+// bytes, so a cache freed and reallocated elsewhere is a new set): a per-call host -> device upload
+// would be a copy out of a pinned buffer that a captured CUDA graph replays after the buffer was
+// reused, and a descriptor table that changes with nothing. Bounded: the oldest set goes first.
+inline std::atomic<int64_t>& descriptor_tables_built() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
+inline Tensor descriptor_table(const std::vector<CacheDesc>& descs, const at::Device& dev) {
+  static std::mutex mutex;
+  static std::vector<std::tuple<at::Device, std::string, Tensor>> tables;  // oldest first
+  constexpr size_t kMaxTables = 16;
+  std::string key(reinterpret_cast<const char*>(descs.data()), descs.size() * sizeof(CacheDesc));
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const auto& [d, k, table] : tables)
+    if (d == dev && k == key) return table;
+  // Host -> GPU through pinned memory with a non_blocking copy: ordered on the stream, no sync
+  // (torch's pinned allocator keeps the buffer alive until its copy has run).
+  const bool to_gpu = dev.is_cuda();
+  Tensor host = at::empty({int64_t(key.size())}, at::TensorOptions(at::kByte).pinned_memory(to_gpu));
+  std::memcpy(host.data_ptr(), key.data(), key.size());
+  Tensor table = host.to(dev, /*non_blocking=*/true);
+  if (tables.size() == kMaxTables) tables.erase(tables.begin());
+  tables.emplace_back(dev, std::move(key), table);
+  ++descriptor_tables_built();
+  return table;
+}
+
+// All layers in one launch, reading the caches' descriptors from descriptor_table.
 inline void copy_blocks(const Target& tgt, at::TensorList key_caches, at::TensorList value_caches,
                         const Tensor& block_mapping) {
   if (block_mapping.size(0) == 0 || key_caches.empty()) return;
@@ -325,13 +357,10 @@ inline void copy_blocks(const Target& tgt, at::TensorList key_caches, at::Tensor
   for (const Tensor& c : value_caches) descs.push_back(cache_desc(c));
   TORCH_CHECK_VALUE(int64_t(descs.size()) <= kMaxGridYZ, "copy_blocks: too many caches (", descs.size(), ")");
   const at::Device dev = key_caches[0].device();
-  // Host -> GPU through pinned memory with non_blocking copies: ordered on the stream, no sync
-  // (torch's pinned allocator keeps each buffer alive until its copy has run).
   const bool to_gpu = dev.is_cuda();
-  Tensor host = at::empty({int64_t(descs.size() * sizeof(CacheDesc))},
-                          at::TensorOptions(at::kByte).pinned_memory(to_gpu));
-  std::memcpy(host.data_ptr(), descs.data(), descs.size() * sizeof(CacheDesc));
-  const Tensor on_dev = host.to(dev, /*non_blocking=*/true);
+  const Tensor on_dev = descriptor_table(descs, dev);
+  // A host mapping (the contract allows one) is uploaded per call: pass a device mapping to
+  // capture copy_blocks in a CUDA graph.
   Tensor mapping = block_mapping.contiguous();
   if (mapping.device() != dev) {
     if (to_gpu && mapping.is_cpu() && !mapping.is_pinned()) mapping = mapping.pin_memory();

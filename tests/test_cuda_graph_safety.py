@@ -422,5 +422,34 @@ def test_triton_copy_blocks_builds_its_address_table_once():
         assert (info.misses, info.hits) == (1, step), f"call {step}: the table was built again ({info})"
 
 
+# The C++ backends' copy_blocks uploaded the caches' descriptors on every call, through a pinned
+# buffer: a captured graph would replay that copy after the buffer was reused. Now a set of caches
+# is uploaded once (binding::descriptor_table); another set, or the same caches reallocated, is new.
+def test_cuda_copy_blocks_uploads_descriptors_once_per_set_of_caches():
+    ops = emu_test_ops()
+    g = torch.Generator().manual_seed(19)
+    kcs, vcs = random_caches(2, F16, g), random_caches(2, F16, g)
+    before = ops.copy_blocks_descriptor_tables()
+    for step, mapping in enumerate((torch.tensor([[0, 5], [2, 6]]), torch.tensor([[1, 7], [3, 4]]))):
+        want_k, want_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
+        reference.copy_blocks(want_k, want_v, mapping)
+        paged_ops.backend("cuda_emu").copy_blocks(kcs, vcs, mapping)
+        for got, want in zip(kcs + vcs, want_k + want_v):
+            assert_bits_equal(got, want, f"call {step}")
+        if step == 0:
+            # + 0 only if an earlier test had these very caches (same addresses and shapes)
+            first = ops.copy_blocks_descriptor_tables()
+            assert first - before in (0, 1)
+        assert ops.copy_blocks_descriptor_tables() == first, f"call {step}: the descriptors were uploaded again"
+    other_k, other_v = random_caches(2, F16, g), random_caches(2, F16, g)
+    want_k, want_v = [c.clone() for c in other_k], [c.clone() for c in other_v]
+    mapping = torch.tensor([[4, 1]])
+    reference.copy_blocks(want_k, want_v, mapping)
+    paged_ops.backend("cuda_emu").copy_blocks(other_k, other_v, mapping)
+    for got, want in zip(other_k + other_v, want_k + want_v):
+        assert_bits_equal(got, want, "another set of caches")
+    assert ops.copy_blocks_descriptor_tables() == first + 1
+
+
 if __name__ == "__main__":
     child_main(sys.argv[1])

@@ -147,4 +147,8 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("device_memory(int nbytes) -> Tensor", &paged_cuda_emu::device_memory);
   m.def("close_device_memory(bool closed) -> ()", &paged_cuda_emu::close_device_memory);
   m.def("device_memory_as_host(bool on) -> ()", &paged_cuda_emu::set_device_memory_as_host);
+  // How many device copies of cache descriptors copy_blocks has built (binding::descriptor_table),
+  // over every C++ backend: a set of caches is uploaded once, not per call.
+  m.def("copy_blocks_descriptor_tables() -> int",
+        []() -> int64_t { return paged::binding::descriptor_tables_built().load(); });
 }
