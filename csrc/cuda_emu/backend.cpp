@@ -43,13 +43,20 @@ const paged::api::EmulatedDeviceMemory kDeviceMemory{
 
 }  // namespace
 
-// What the GPU heuristics see on the emulator: an H100-sized device (132 SMs), so the emulated
-// launches take the same decisions (one-pass vs split-KV) as the GPU would at the same shapes.
+// What the GPU heuristics see on the emulator: an H100-sized device (132 SMs) unless a test sets
+// another count (paged_cuda_emu_test::set_num_sms), so the emulated launches take the same
+// decisions (one-pass vs split-KV, partition sizes) as a GPU with that many SMs.
+constexpr int kDefaultEmulatedSMs = 132;
+inline std::atomic<int>& emulated_sms() {
+  static std::atomic<int> n{kDefaultEmulatedSMs};
+  return n;
+}
+
 struct Backend {
   using Guard = paged::registration::NoGuard;
   static paged::binding::Target target(const at::Device&) {
     return {&paged::kEmuDecode, &paged::kEmuPrefill, nullptr, &paged::kEmuCache, &paged::kEmuMerge,
-            &paged::kEmuMergeStates, nullptr, 132, copy_bytes, nullptr, /*int32_sizes=*/true};
+            &paged::kEmuMergeStates, nullptr, emulated_sms().load(), copy_bytes, nullptr, /*int32_sizes=*/true};
   }
 };
 
@@ -101,6 +108,26 @@ int64_t prefill_kv_bytes_read(Tensor& out, const Tensor& query, const Tensor& ke
   });
 }
 
+// The SM count the plans see from now on (0: the default, 132); returns the previous one.
+int64_t set_num_sms(int64_t n) {
+  TORCH_CHECK_VALUE(n >= 0 && n <= 1 << 20, "set_num_sms: ", n, " SMs");
+  return emulated_sms().exchange(n ? int(n) : kDefaultEmulatedSMs);
+}
+
+// The decode plan (kernels/plan.h) decode_attention_config would launch with: [grid_x, grid_y,
+// grid_z, threads, split, partition_size, heads_per_thread, tile_tokens, smem bytes, blocks_per_sm].
+std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const Tensor& key_cache,
+                                 const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
+                                 at::IntArrayRef config) {
+  const paged::binding::Target tgt = Backend::target(query.device());
+  const paged::AttentionParams p =
+      paged::binding::attention_params(tgt, out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, 1,
+                                       1.0, true, std::nullopt, std::nullopt, paged::AttentionVariants{});
+  const paged::DecodePlan pl = paged::plan_decode(p, paged::binding::config_from_list(config));
+  return {pl.grid_x, pl.grid_y, pl.grid_z, pl.threads, pl.split, pl.partition_size, pl.heads_per_thread,
+          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm};
+}
+
 }  // namespace
 }  // namespace paged_cuda_emu
 
@@ -116,11 +143,15 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
         "Tensor block_tables, Tensor cu_seqlens_q, Tensor seq_lens, int max_seqlen_q, float scale, bool causal, "
         "Tensor? k_scale, Tensor? v_scale, int[] config, int window_left=-1, int window_right=-1, "
         "bool batch_invariant=False) -> int");
+  m.def("set_num_sms(int n) -> int", &paged_cuda_emu::set_num_sms);
+  m.def("decode_plan(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, int[] config) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(paged_cuda_emu_test, CPU, m) {
   m.impl("decode_kv_bytes_read", &paged_cuda_emu::decode_kv_bytes_read);
   m.impl("prefill_kv_bytes_read", &paged_cuda_emu::prefill_kv_bytes_read);
+  m.impl("decode_plan", &paged_cuda_emu::decode_plan);
 }
 
 // Device memory the host cannot read (tests/test_cuda_graph_safety.py): device_memory(nbytes) is a

@@ -1,31 +1,26 @@
 // Paged decode attention: one query token per sequence against its whole paged KV history.
 //
 // Work split. Decode is bound by reading the KV cache, so the unit of work is what shares a KV
-// row: a thread block owns one KV head of one sequence and every query head of its group, and each
-// KV token is read from memory once per group, not once per query head as in vLLM's original
-// paged-attention kernel. Within a block, a "token group" of TPT lanes works on one token: each
-// lane owns an 8-element chunk of the head dimension, dots it with its chunk of up to 8 query heads
-// held in registers (kMaxGroupTile: 8 heads x 8 dims of q and of the accumulators per lane is what
-// the register file allows at 256 threads), and the TPT partial dots are summed with
-// xor-shuffles. TPT = head_size / 8 rounded up to 8, 16 or 32, so a warp reads 32 / TPT tokens at
-// once and its loads are full 128-byte lines for 64/128/256-wide heads. head_size is a runtime
-// value (any multiple of 8 up to 256).
+// row: a thread block owns one KV head of one sequence and every query head of its group (up to
+// kMaxHeadsPerBlock; larger groups are cut into head chunks on grid x, next to each other so their
+// re-reads of the same KV hit L2), and each KV token is read from memory once per block.
 //
-// Two kernels, one set of stages, named as in FlashInfer: load_q, compute_qk (per-lane dots summed
-// over the token group), update_softmax (per-lane online softmax), compute_pv, merge_and_store:
-//  * group <= 8 (decode_kernel): the whole group fits one lane's registers, so every token group
-//    streams its own tokens straight from global memory into registers, one token ahead (register
-//    double buffering). The head tile is a template parameter (1, 2, 4, 8) so an MHA model does
-//    not pay for 8 heads' registers.
-//  * group > 8 (decode_shared_kv_kernel; GQA with big groups, MQA): no lane can hold the group, so
-//    warps are split among tiles of 8 heads, and the KV tokens they all need are staged once per
-//    block in shared memory: all threads copy a chunk of K and V rows (raw cache bytes, cp.async
-//    on sm_80+, double-buffered so the next chunk is in flight while this one is consumed), then
-//    each tile's token groups walk the chunk out of shared memory (fp8 is dequantised there). One
-//    block reads each KV token from DRAM once for up to 64 heads (8 tiles x 8 heads at 256
-//    threads). Larger groups (> 64) are cut into head chunks of up to 64 on grid x, next to each
-//    other (x = seq * chunks + chunk), so the chunks of one (sequence, KV head) run back to back
-//    and their re-reads of the same KV hit L2: DRAM still sees about one read per group.
+// One kernel (decode_kernel), its stages named as in FlashInfer: load_q, compute_qk,
+// update_softmax, compute_pv, merge_and_store. Per block:
+//  * K/V by a cp.async ring: the block's keys are cut into tiles of C tokens; kDecodeStages tiles
+//    are resident in shared memory, the next ones in flight while one is read, K and V of a tile in
+//    separate commit groups, so the QK of tile i runs while its V is still arriving. Copies are 16
+//    bytes where the view allows (the plan's copy_bytes), down to 1 byte for odd views.
+//  * Page offsets once per token, not per lane: the K and V byte offsets of a tile's tokens (block
+//    table lookup, division by the block size: a shift when it is a power of two) are computed by
+//    one thread per token into shared memory a tile ahead; the copies read them from there.
+//  * The group spread across threads: a "token group" of TPT lanes works on one token, each lane
+//    owning an 8-element chunk of the head dimension (TPT = head_size / 8 rounded up to 8, 16 or
+//    32; head_size any multiple of 8 up to 256), and serves a head tile of G <= 4 heads (q and the
+//    accumulators of 4 heads x 8 dims fit 128 registers); the block's token groups are divided
+//    among its head tiles, each tile's groups walking the staged tile's tokens.
+//  * Softmax rescale once per step of decode_rows_per_step tokens per token group (the default tile
+//    is one step), not per token.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -43,7 +38,9 @@
 // normalised partial output plus its (max, sum) to a float32 workspace and decode_reduce_kernel
 // merges them with log-sum-exp weights. Partitions past a sequence's length exit at once.
 // Partitions are aligned to multiples of partition_size from the row's first visible key's
-// partition, so a given key range is always cut the same way.
+// partition, so a given key range is always cut the same way. plan_decode (kernels/plan.h) sizes
+// them from the device's SM count: a grid short of kDecodeFillBlocksPerSM blocks per SM is cut into
+// partitions down to two pages; the batch-invariant mode keeps its constant size.
 //
 // Variants (paged_ops/reference.py attention), all runtime values uniform over a launch:
 //  * window_left / window_right: a row sees keys [p - window_left, p] (causal) or
@@ -185,23 +182,19 @@ __device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& 
   }
 }
 
-// Scores of one token for the G heads: this lane's partial dots summed over the token group's tpt
-// lanes. gcount must be warp-uniform (the shuffles need the whole warp). tpt is a constant in
-// decode_kernel (the loop unrolls) and a runtime value in the shared-KV kernel.
-template <int G>
-__device__ __forceinline__ void compute_qk(const float (&q)[G][8], const float (&k)[8], float (&s)[G], int gcount,
-                                          int tpt) {
+// Scores of one token for the G heads: this lane's partial dots summed over the token group's TPT
+// lanes. All G heads always (a head past the tile's count has q = 0, so score 0, never used): the
+// shuffles are then warp-uniform even where two head tiles share a warp.
+template <int G, int TPT>
+__device__ __forceinline__ void compute_qk(const float (&q)[G][8], const float (&k)[8], float (&s)[G]) {
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    s[g] = 0.f;
-    if (g < gcount) {
-      float d = 0.f;
+    float d = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) d += q[g][i] * k[i];
+    for (int i = 0; i < 8; ++i) d += q[g][i] * k[i];
 #pragma unroll
-      for (int o = tpt / 2; o > 0; o >>= 1) d += __shfl_xor_sync(kFullMask, d, o);
-      s[g] = d;
-    }
+    for (int o = TPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(kFullMask, d, o);
+    s[g] = d;
   }
 }
 
@@ -219,33 +212,38 @@ struct OnlineSoftmax {
       for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
     }
   }
-  // Folds one token's scores into the running max and sum, rescales the accumulators to the new
-  // max, and turns s into the token's probabilities. A NaN score gives NaN probabilities (and so a
-  // NaN row), as in the reference; a -inf score (an infinite query or key) has probability 0, not
+  // Folds one step's scores (R tokens of this token group; -inf for rows it does not have) into the
+  // running max and sum, rescales the accumulators once to the new max, and turns s into the
+  // tokens' probabilities. A NaN score gives NaN probabilities (and so a NaN row), as in the
+  // reference; a -inf score (an infinite query or key, or no row) has probability 0, not
   // exp2(-inf - -inf) = NaN while the row has seen nothing finite yet.
-  __device__ __forceinline__ void update_softmax(float (&s)[G], int gcount) {
+  template <int R>
+  __device__ __forceinline__ void update_softmax(float (&s)[R][G]) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      if (g < gcount) {
-        const float mn = fmaxf(m[g], s[g]);
-        // 0 at the first finite score (m = -inf); 1 while none (-inf - -inf would be NaN)
-        const float a = mn == -INFINITY ? 1.f : exp2f(m[g] - mn);
-        s[g] = s[g] == -INFINITY ? 0.f : exp2f(s[g] - mn);
-        l[g] = l[g] * a + s[g];
+      float mn = m[g];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] *= a;
-        m[g] = mn;
+      for (int r = 0; r < R; ++r) mn = fmaxf(mn, s[r][g]);
+      // 0 at the first finite score (m = -inf); 1 while none (-inf - -inf would be NaN)
+      const float a = mn == -INFINITY ? 1.f : exp2f(m[g] - mn);
+      float sum = 0.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        s[r][g] = s[r][g] == -INFINITY ? 0.f : exp2f(s[r][g] - mn);
+        sum += s[r][g];
       }
+      l[g] = l[g] * a + sum;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] *= a;
+      m[g] = mn;
     }
   }
   // acc += p * v for the token's probabilities p (update_softmax's output) and value row v.
-  __device__ __forceinline__ void compute_pv(const float (&pr)[G], const float (&v)[8], int gcount) {
+  __device__ __forceinline__ void compute_pv(const float (&pr)[G], const float (&v)[8]) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      if (g < gcount) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[g][i] += pr[g] * v[i];
-      }
+      for (int i = 0; i < 8; ++i) acc[g][i] += pr[g] * v[i];
     }
   }
 };
@@ -326,195 +324,208 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
   }
 }
 
-// ---- group <= 8: KV streamed into registers ----------------------------------------------------
-template <typename T, typename KV, int TPT, int kGroupTile>
-__global__ void __launch_bounds__(256) decode_kernel(AttentionParams p, bool split, int partition_size,
-                                                      int num_partitions, float* tmp_out, float* tmp_ml, bool k_aligned,
-                                                      bool v_aligned) {
+// ---- the KV loop: a cp.async ring of staged tiles ------------------------------------------------
+// What one block's threads do in the ring (constant over the KV loop, from the plan's shape).
+struct TileCopy {
+  int units;          // copies per row (row bytes / copy_bytes)
+  int row0, row_step;  // this thread's first row of a tile and its stride (row_step rows per pass)
+  int unit0, unit_step;
+  bool idle;          // threads past rows_per_pass x units copy nothing
+  __device__ __forceinline__ void init(int row_bytes, int copy_bytes) {
+    units = row_bytes / copy_bytes;
+    const int threads = blockDim.x, tid = threadIdx.x;
+    if (units <= threads) {  // a pass copies threads / units whole rows, one unit per thread
+      row_step = threads / units;
+      row0 = tid / units;
+      unit0 = tid - row0 * units;
+      unit_step = units;
+      idle = row0 >= row_step;
+    } else {  // a row takes several units per thread
+      row_step = 1;
+      row0 = 0;
+      unit0 = tid;
+      unit_step = threads;
+      idle = false;
+    }
+  }
+};
+
+// Copies rows [0, n) of a tile, row r from `src` + offsets[2 r + which] bytes, to `dst` + r x
+// pitch. Bytes is a constant where the view allows 16 (the fast path; copy_async folds to one
+// cp.async.cg), else the plan's width.
+template <int kBytes>
+__device__ __forceinline__ void copy_tile_rows(unsigned char* dst, const char* src, const int64_t* offsets, int which,
+                                               int n, int pitch, const TileCopy& tc, int bytes) {
+  if (tc.idle) return;
+  const int cb = kBytes > 0 ? kBytes : bytes;
+  for (int r = tc.row0; r < n; r += tc.row_step) {
+    const char* s = src + offsets[2 * r + which];
+    unsigned char* d = dst + size_t(r) * pitch;
+    for (int u = tc.unit0; u < tc.units; u += tc.unit_step) copy_async(d + u * cb, s + u * cb, cb);
+  }
+}
+
+// K and V byte offsets of tokens [t0, t0 + n) (n <= C) into `offsets` ([C][2]): one thread per
+// token, one block-table lookup and one division (a shift for power-of-two blocks) each.
+template <typename KV>
+__device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>& K, const PagedKV<KV>& V, int t0,
+                                            int n, int block_shift) {
+  for (int r = threadIdx.x; r < n; r += blockDim.x) {
+    const int t = t0 + r;
+    const int blk_idx = block_shift >= 0 ? t >> block_shift : t / K.block_size;
+    const int off = t - blk_idx * K.block_size;
+    const int64_t blk = K.block_table[blk_idx];
+    offsets[2 * r] = (blk * K.stride_block + int64_t(off) * K.stride_token) * int64_t(sizeof(KV));
+    offsets[2 * r + 1] = (blk * V.stride_block + int64_t(off) * V.stride_token) * int64_t(sizeof(KV));
+  }
+}
+
+// sh: the launch shape (plan_decode, kernels/plan.h). G heads per token group (1, 2, 4), TPT lanes
+// per token. __launch_bounds__(256, 2): at most 128 registers a thread, so four 128-thread blocks
+// (16 warps, 25% occupancy) are resident per SM.
+template <typename T, typename KV, int TPT, int G>
+__global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, DecodeShape sh, bool split,
+                                                         int partition_size, int num_partitions, float* tmp_out,
+                                                         float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
   // AttentionParams' sizes are int64 (the cpu backend's); the binding checks they fit int, and the
-  // kernels narrow them once: 64-bit division and products cost registers and instructions.
-  const int group = int(p.num_heads) / int(p.num_kv_heads);  // <= kGroupTile: the whole group
-  // Rows on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
+  // kernel narrows them once: 64-bit division and products cost registers and instructions.
+  const int group = int(p.num_heads) / int(p.num_kv_heads);
+  // (row, head chunk) on x (up to 2^31 - 1; y/z stop at 65535), KV heads on y, partitions on z.
+  const int64_t row = sh.n_hchunks == 1 ? int64_t(blockIdx.x) : int64_t(blockIdx.x / sh.n_hchunks);
+  const int hchunk = int(blockIdx.x - row * sh.n_hchunks);
   const int kvh = blockIdx.y;
-  const int64_t row = blockIdx.x;
   const int part = blockIdx.z;
+  const int hb = hchunk * sh.heads_per_block;  // first group-relative head of the block
+  const int nheads = min(sh.heads_per_block, group - hb);
+  const int head0 = kvh * group + hb;
   const RowSpan rs = row_span(p, row);
   int start, end;
   partition_keys(rs, split, partition_size, part, start, end);
   if (start >= end) {  // whole block leaves together: no barrier is skipped by a subset
     // A split row's empty partitions write nothing (the reduce reads only the row's partitions).
-    if (!split) store_empty_row<T>(p, row, kvh * group, group);
+    if (!split) store_empty_row<T>(p, row, head0, nheads);
     return;
   }
   const int64_t seq = rs.seq;
   const int D = int(p.head_size);
 
+  // Thread layout: token group tg (TPT lanes) serves head tile `tile` (block heads [tile x G,
+  // tile x G + gcount)); token groups are numbered tile-major, as merge_and_store expects. Groups
+  // past the last tile (ntg not a multiple of the tile count) hold no head (gcount 0).
   constexpr int kGroupsPerWarp = 32 / TPT;
   const int lane = threadIdx.x % 32;
   const int sub = lane % TPT;
   const int tg = (threadIdx.x / 32) * kGroupsPerWarp + lane / TPT;
-  const int ntg = (blockDim.x / 32) * kGroupsPerWarp;
+  const int ntg = blockDim.x / TPT;
+  const int gpt = sh.groups_per_tile;
+  const int tile = tg / gpt;
+  const int tg_in_tile = tg - tile * gpt;
+  const int gcount = max(0, min(G, nheads - tile * G));
   const int d0 = sub * 8;
   const bool active = d0 < D;  // head sizes that are not 8*TPT leave the top lanes idle
-  const int head0 = kvh * group;
 
-  float q[kGroupTile][8];
-  load_q<T>(q, p, row, head0, group, d0, active);
-  ScoreMod<kGroupTile> mod;
-  mod.init(p, head0, rs.pos);
+  float q[G][8];
+  load_q<T>(q, p, row, head0 + tile * G, gcount, d0, active);
+  ScoreMod<G> mod;
+  mod.init(p, head0 + tile * G, rs.pos);
   const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
-  OnlineSoftmax<kGroupTile> st;
-  st.init();
+  // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage C K rows and C V rows.
+  PAGED_DYNAMIC_SMEM(unsigned char, smem, size_t(sh.smem_bytes));
+  const int C = sh.tile_tokens, pitch = sh.pitch;
+  int64_t* const offsets = reinterpret_cast<int64_t*>(smem);
+  unsigned char* const ring = smem + decode_offsets_bytes(C);
+  const char* const kbase = reinterpret_cast<const char*>(K.base);
+  const char* const vbase = reinterpret_cast<const char*>(V.base);
+  TileCopy tc;
+  tc.init(D * int(sizeof(KV)), sh.copy_bytes);
+  const bool wide = sh.copy_bytes == 16;
 
-  // Every lane runs the same number of iterations (the bound is block-uniform) so the shuffles
-  // below always see the full warp; tokens past `end` just contribute nothing.
-  // K/V of this token group's next token are loaded one iteration ahead (register double
-  // buffering): a warp keeps two tokens' 16-byte loads in flight while it computes, which is what
-  // hides memory latency at the low occupancy the per-lane accumulators allow.
-  float kn[8], vn[8];
-  auto fetch = [&](int t) {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) kn[i] = vn[i] = 0.f;
-    if (t < end && active) {  // only tokens < seq_len: slots past it may hold NaN
-      load8(K.row(t) + d0, kn, k_aligned, kscale);
-      load8(V.row(t) + d0, vn, v_aligned, vscale);
-    }
+  const int ntiles = ceil_div(end - start, C);  // block-uniform: every thread meets every barrier
+  auto tile_rows = [&](int j) { return j < ntiles ? min(C, end - (start + j * C)) : 0; };
+  auto locate = [&](int j) {
+    if (j < ntiles) locate_tile(offsets + size_t(j % kDecodeStages) * 2 * C, K, V, start + j * C, tile_rows(j),
+                                sh.block_shift);
   };
-  fetch(start + tg);
-  for (int base = start; base < end; base += ntg) {
-    const bool valid = base + tg < end;
-    float k[8], v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) k[i] = kn[i], v[i] = vn[i];
-    fetch(base + ntg + tg);
-    float s[kGroupTile];
-    compute_qk(q, k, s, group, TPT);
-    if (valid) {
-      mod.apply(s, base + tg, group);
-      st.update_softmax(s, group);
-      st.compute_pv(s, v, group);
-    }
-  }
-
-  PAGED_DYNAMIC_SMEM(float, sm, merge_floats(ntg, group, D));
-  merge_and_store<T>(p, st, sm, ntg, ntg, group, tg, group, sub == 0, active, d0, head0, group,
-                     Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
-}
-
-// ---- group > 8: KV staged once per block in shared memory --------------------------------------
-// sk: the staging shape (plan_decode, kernels/plan.h).
-template <typename T, typename KV>
-__global__ void __launch_bounds__(256) decode_shared_kv_kernel(AttentionParams p, SharedKV sk, bool split,
-                                                                int partition_size, int num_partitions, float* tmp_out,
-                                                                float* tmp_ml) {
-  PAGED_LAUNCH_BOUNDS_CHECK(256);
-  const int group = int(p.num_heads) / int(p.num_kv_heads);  // int: see decode_kernel
-  // (row, head chunk) on x, chunks adjacent: see the header comment.
-  const int64_t row = blockIdx.x / sk.n_hchunks;
-  const int hchunk = blockIdx.x % sk.n_hchunks;
-  const int kvh = blockIdx.y;
-  const int part = blockIdx.z;
-  const RowSpan rs = row_span(p, row);
-  int start, end;
-  partition_keys(rs, split, partition_size, part, start, end);
-  if (start >= end) {  // whole block leaves together
-    if (!split) {
-      const int hb = hchunk * sk.heads_per_block;
-      store_empty_row<T>(p, row, kvh * group + hb, min(sk.heads_per_block, group - hb));
-    }
-    return;
-  }
-  const int64_t seq = rs.seq;
-  const int D = int(p.head_size);
-
-  const int tpt = sk.tpt;
-  const int gpw = 32 / tpt;  // token groups per warp
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int tile = warp / sk.warps_per_tile;
-  const int sub = lane % tpt;
-  const int tg = warp * gpw + lane / tpt;  // tile-major, as merge_and_store expects
-  const int ntg_tile = sk.warps_per_tile * gpw;
-  const int tg_in_tile = tg - tile * ntg_tile;
-  const int ntg = blockDim.x / 32 * gpw;
-  const int d0 = sub * 8;
-  const bool active = d0 < D;
-  const int hb = hchunk * sk.heads_per_block;         // first group-relative head of the block
-  const int nheads = min(sk.heads_per_block, group - hb);
-  const int gcount = max(0, min(kMaxGroupTile, nheads - tile * kMaxGroupTile));  // warp-uniform
-  const int head0 = kvh * group + hb;
-
-  float q[kMaxGroupTile][8];
-  load_q<T>(q, p, row, head0 + tile * kMaxGroupTile, gcount, d0, active);
-  ScoreMod<kMaxGroupTile> mod;
-  mod.init(p, head0 + tile * kMaxGroupTile, rs.pos);
-  const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
-  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
-  const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
-
-  PAGED_DYNAMIC_SMEM(unsigned char, smem, shared_kv_smem(sk, blockDim.x, D));
-  const int C = sk.chunk, pitch = sk.pitch, cb = sk.copy_bytes;
-  const int units = D * int(sizeof(KV)) / cb;  // copies per row
-  auto buffer = [&](int b) { return smem + size_t(b) * 2 * C * pitch; };  // K rows, then V rows
-  // All threads copy the K and V rows of tokens [c0, min(c0 + C, end)) into buffer b: nothing at or
-  // past `end` is read.
-  auto stage = [&](int c0, int b) {
-    unsigned char* buf = buffer(b);
-    const int n = min(C, end - c0);
-    for (int idx = threadIdx.x; idx < n * units; idx += blockDim.x) {
-      const int r = idx / units, u = idx - r * units;
-      const int t = c0 + r;
-      copy_async(buf + size_t(r) * pitch + u * cb, reinterpret_cast<const char*>(K.row(t)) + u * cb, cb);
-      copy_async(buf + size_t(C + r) * pitch + u * cb, reinterpret_cast<const char*>(V.row(t)) + u * cb, cb);
-    }
+  // Tile j's K rows, then its V rows, into stage j % kDecodeStages: two commit groups always (empty
+  // past the last tile), so the wait counts below hold to the end. Nothing at or past `end` is read.
+  auto issue = [&](int j) {
+    const int stage = j % kDecodeStages, n = tile_rows(j);
+    const int64_t* off = offsets + size_t(stage) * 2 * C;
+    unsigned char* kdst = ring + size_t(stage) * 2 * C * pitch;
+    unsigned char* vdst = kdst + size_t(C) * pitch;
+    if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16);
+    else copy_tile_rows<0>(kdst, kbase, off, 0, n, pitch, tc, sh.copy_bytes);
+    cp_async_commit();
+    if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16);
+    else copy_tile_rows<0>(vdst, vbase, off, 1, n, pitch, tc, sh.copy_bytes);
     cp_async_commit();
   };
 
-  OnlineSoftmax<kMaxGroupTile> st;
+  OnlineSoftmax<G> st;
   st.init();
-  const int nchunks = ceil_div(end - start, C);  // block-uniform: every thread meets every barrier
-  stage(start, 0);
-  for (int c = 0; c < nchunks; ++c) {
-    const int c0 = start + c * C;
-    if (c + 1 < nchunks) {
-      stage(c0 + C, (c + 1) & 1);  // its buffer was last read before the previous iteration's barrier
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // chunk c is in shared memory for everybody
-    const unsigned char* buf = buffer(c & 1);
-    const int n = min(C, end - c0);
-    if (gcount > 0) {
-      for (int base = 0; base < n; base += ntg_tile) {  // warp-uniform bound: shuffles see the full warp
-        const int r = base + tg_in_tile;
-        const bool valid = r < n;
-        float k[8], v[8];
+  // Token rows of a tile per token group, in steps of kRows (one rescale a step).
+  constexpr int kRows = decode_rows_per_step(int(sizeof(KV)));
+  const int rows_per_group = ceil_div(C, gpt);
+  for (int j = 0; j < kDecodeStages; ++j) locate(j);
+  __syncthreads();  // the first tiles' offsets, for every thread's copies
+  for (int j = 0; j < kDecodeStages - 1; ++j) issue(j);
+  for (int c = 0; c < ntiles; ++c) {
+    // Groups in flight after K(c): V(c) and the 2 x (kDecodeStages - 2) of the tiles after it.
+    cp_async_wait<2 * kDecodeStages - 3>();
+    // K(c) is in shared memory for everybody; every thread is done with tile c - 1 (its stage is
+    // free for tile c + kDecodeStages - 1) and with the offsets of tile c (rewritten below).
+    __syncthreads();
+    issue(c + kDecodeStages - 1);  // its offsets were written before the last barrier
+    locate(c + kDecodeStages);     // into tile c's offset slot, read when tile c was issued
+    const unsigned char* kt = ring + size_t(c % kDecodeStages) * 2 * C * pitch;
+    const unsigned char* vt = kt + size_t(C) * pitch;
+    const int t0 = start + c * C, n = tile_rows(c);
+    for (int i0 = 0; i0 < rows_per_group; i0 += kRows) {  // block-uniform bound
+      float s[kRows][G];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = tg_in_tile + (i0 + i) * gpt;
+        const bool valid = gcount > 0 && i0 + i < rows_per_group && r < n;
+        float k[8];
         if (valid && active) {
-          load8(reinterpret_cast<const KV*>(buf + size_t(r) * pitch) + d0, k, true, kscale);
-          load8(reinterpret_cast<const KV*>(buf + size_t(C + r) * pitch) + d0, v, true, vscale);
+          load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
         } else {
 #pragma unroll
-          for (int i = 0; i < 8; ++i) k[i] = v[i] = 0.f;
+          for (int e = 0; e < 8; ++e) k[e] = 0.f;
         }
-        float s[kMaxGroupTile];
-        compute_qk(q, k, s, gcount, tpt);
+        compute_qk<G, TPT>(q, k, s[i]);  // every lane: the shuffles need the whole warp
         if (valid) {
-          mod.apply(s, c0 + r, gcount);
-          st.update_softmax(s, gcount);
-          st.compute_pv(s, v, gcount);
+          mod.apply(s[i], t0 + r, gcount);
+        } else {
+#pragma unroll
+          for (int g = 0; g < G; ++g) s[i][g] = -INFINITY;
+        }
+      }
+      st.update_softmax(s);
+      if (i0 == 0) {
+        cp_async_wait<2 * kDecodeStages - 2>();  // V(c) landed (tile c + kDecodeStages - 1 may fly)
+        __syncthreads();                         // ... for everybody
+      }
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        const int r = tg_in_tile + (i0 + i) * gpt;
+        if (gcount > 0 && active && i0 + i < rows_per_group && r < n) {
+          float v[8];
+          load8(reinterpret_cast<const KV*>(vt + size_t(r) * pitch) + d0, v, true, vscale);
+          st.compute_pv(s[i], v);
         }
       }
     }
-    __syncthreads();  // buffer c & 1 is free for chunk c + 2
   }
+  cp_async_wait<0>();  // only empty groups are left; none may be in flight at exit
+  __syncthreads();     // the ring is idle: the merge scratch reuses it
 
-  // The staging buffers are idle now (last copies waited for, last reads behind the barrier).
-  merge_and_store<T>(p, st, reinterpret_cast<float*>(smem), ntg, ntg_tile, kMaxGroupTile, tg, gcount, sub == 0,
-                     active, d0, head0, nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
+  merge_and_store<T>(p, st, reinterpret_cast<float*>(smem), ntg, gpt, G, tg, gcount, sub == 0, active, d0, head0,
+                     nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
 }
 
 // Log-sum-exp merge of the split-KV partials of one (row, query head), in one fixed order (partition
@@ -561,33 +572,23 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
     using T = typename decltype(tt)::type;
     dispatch_cache<T>(DType(p.dtype), DType(p.cache_dtype), [&](auto kt) {
       using KV = typename decltype(kt)::type;
-      if (pl.shared_kv) {
-        auto kernel = decode_shared_kv_kernel<T, KV>;
-        PAGED_ALLOW_SMEM(kernel, pl.smem);
-        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sk, pl.split, pl.partition_size,
-                     pl.num_partitions, tmp_out, tmp_ml);
-        PAGED_CHECK_LAUNCH("decode_shared_kv_kernel");
-        return;
-      }
-      const bool ka = pl.k_aligned, va = pl.v_aligned;
       auto run = [&](auto kernel) {
         PAGED_ALLOW_SMEM(kernel, pl.smem);
-        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.split, pl.partition_size,
-                     pl.num_partitions, tmp_out, tmp_ml, ka, va);
+        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sh, pl.split, pl.partition_size,
+                     pl.num_partitions, tmp_out, tmp_ml);
         PAGED_CHECK_LAUNCH("decode_kernel");
       };
-      auto by_group = [&](auto tpt) {
+      auto by_heads = [&](auto tpt) {
         constexpr int TPT = decltype(tpt)::value;
-        switch (pl.gtile) {
+        switch (pl.heads_per_thread) {
           case 1: return run(decode_kernel<T, KV, TPT, 1>);
           case 2: return run(decode_kernel<T, KV, TPT, 2>);
-          case 4: return run(decode_kernel<T, KV, TPT, 4>);
-          default: return run(decode_kernel<T, KV, TPT, 8>);
+          default: return run(decode_kernel<T, KV, TPT, kMaxHeadsPerThread>);
         }
       };
-      if (pl.tpt == 8) by_group(std::integral_constant<int, 8>{});
-      else if (pl.tpt == 16) by_group(std::integral_constant<int, 16>{});
-      else by_group(std::integral_constant<int, 32>{});
+      if (pl.tpt == 8) by_heads(std::integral_constant<int, 8>{});
+      else if (pl.tpt == 16) by_heads(std::integral_constant<int, 16>{});
+      else by_heads(std::integral_constant<int, 32>{});
     });
     if (pl.split) {
       auto kernel = decode_reduce_kernel<T>;

@@ -19,59 +19,73 @@ constexpr int64_t kMaxGridX = 2147483647;  // 2^31 - 1; y and z stop at 65535
 constexpr int64_t kMaxGridYZ = 65535;
 
 // ---- decode ------------------------------------------------------------------------------------
-// Query heads one lane holds in registers (q and accumulators: kMaxGroupTile x 8 floats each);
-// larger groups take the shared-KV kernel.
-constexpr int kMaxGroupTile = 8;
+// One kernel for every group size (kernels/decode.cuh): a block stages the K and V rows of a tile
+// of tokens in shared memory by cp.async (a ring of kDecodeStages tiles), and its threads split the
+// block's query heads: each token group (TPT lanes x 8 dims) serves a head tile of G heads
+// (kMaxHeadsPerThread at most, so q and the accumulators stay in <= 128 registers), and the
+// block's token groups are divided among its head tiles.
+constexpr int kMaxHeadsPerThread = 4;
 constexpr int kDecodeThreads = 128;
-constexpr int kDecodePartition = 512;
-constexpr int kMaxPartitions = 8192;  // bounds the split-KV workspace (outside the batch-invariant mode)
-// Shared-KV staging: KV tokens per step, and the most bytes one step's K + V rows may take
-// (two steps are resident: 64 KB, so two 128-thread blocks still fit an SM).
-constexpr int kSharedKVChunk = 64;
-constexpr int kMaxStageBytes = 32 * 1024;
+constexpr int kDecodeStages = 3;        // tiles in the cp.async ring: two in flight while one is read
+// Tokens per token group between softmax rescales: 4, or 2 for float32 caches, whose scores and
+// 32-byte rows would otherwise push decode_kernel past its 128 registers (8 B of spills).
+PAGED_HOST_DEVICE constexpr int decode_rows_per_step(int cache_bytes) { return cache_bytes == 4 ? 2 : 4; }
+constexpr int kDecodeStageBytes = 16 * 1024;  // default K + V bytes of one tile (3 x 16 KB + the
+                                              // offsets: four 128-thread blocks fit an SM)
+constexpr int kMaxDecodeStageBytes = 32 * 1024;  // an explicit kv_tile is capped here
+constexpr int kMaxHeadsPerBlock = 64;   // larger groups are cut into head chunks on grid x
+constexpr int kDecodeFillBlocksPerSM = 2;  // the split-KV plan's target grid: 2 blocks per SM
+constexpr int kMaxPartitions = 8192;    // bounds the split-KV workspace (outside the batch-invariant mode)
+// The per-SM resources the fill heuristic assumes (H100 / H200: sm_90; A100 has 164 KB).
+constexpr int kSmemPerSM = 228 * 1024, kSmemReservedPerBlock = 1024, kRegistersPerSM = 65536;
+constexpr int kMaxRegistersPerThread = 128;  // decode_kernel's __launch_bounds__(256, 2)
 
-// decode_kernel's head tile: the group rounded up to 1, 2, 4 or 8.
-inline int group_tile(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : group <= 4 ? 4 : 8; }
+// Heads per token group: the group rounded up to 1, 2 or 4 (a template parameter of the kernel).
+inline int heads_per_thread(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : kMaxHeadsPerThread; }
 // Lanes that share one token (each owns 8 dims): 8, 16 or 32.
 inline int lanes_per_token(int head_size) { return head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32; }
 
-// Shape of a decode_shared_kv_kernel launch (plain data, passed to the kernel by value).
-struct SharedKV {
-  int tpt;              // lanes per token (8, 16, 32)
-  int warps_per_tile;   // warps serving each tile of 8 heads; warp w serves tile w / warps_per_tile
-  int heads_per_block;  // multiple of 8, at most 64: the head chunk of one block
-  int n_hchunks;        // head chunks per KV head (1 unless group > 64), on grid x
-  int chunk;            // KV tokens staged per step
+// Shape of a decode_kernel launch (plain data, passed to the kernel by value).
+struct DecodeShape {
+  int heads_per_block;  // multiple of G: the head chunk of one block (of its KV head's group)
+  int n_hchunks;        // head chunks per KV head (on grid x, next to each other)
+  int groups_per_tile;  // token groups serving each head tile (block heads [t * G, (t + 1) * G))
+  int tile_tokens;      // KV tokens per staged tile (C)
   int pitch;            // bytes of one staged K or V row: head_size * cache bytes, rounded up to 16
   int copy_bytes;       // bytes per copy_async (16 when pointer and strides allow, down to 1)
+  int block_shift;      // log2(block_size) when it is a power of two, else -1
+  int smem_bytes;       // dynamic shared memory (decode_smem)
 };
 
 // Floats of the token groups' merge scratch: [ntg][gstride] (max, sum) pairs, then
 // [ntg][gstride][D] accumulators.
 PAGED_HOST_DEVICE size_t merge_floats(int ntg, int gstride, int D) { return size_t(ntg) * gstride * (D + 2); }
 
-// Staging (2 buffers x K and V rows), or the merge scratch that reuses it afterwards.
-PAGED_HOST_DEVICE size_t shared_kv_smem(const SharedKV& sk, int threads, int D) {
-  const size_t staging = size_t(2) * 2 * sk.chunk * sk.pitch;
-  const size_t merge = merge_floats(threads / 32 * (32 / sk.tpt), kMaxGroupTile, D) * sizeof(float);
-  return staging > merge ? staging : merge;
+// Shared memory of decode_kernel: per ring stage, the tile's K and V byte offsets (int64, from the
+// block table once per token) and its K then V rows; the merge scratch reuses it at the end.
+PAGED_HOST_DEVICE size_t decode_offsets_bytes(int tile_tokens) {
+  return size_t(kDecodeStages) * tile_tokens * 2 * sizeof(int64_t);
+}
+PAGED_HOST_DEVICE size_t decode_smem(const DecodeShape& sh, int threads, int tpt, int G, int D) {
+  const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * 2 * sh.tile_tokens * sh.pitch;
+  const size_t merge = merge_floats(threads / tpt, G, D) * sizeof(float);
+  return ring > merge ? ring : merge;
 }
 
 struct DecodePlan {
-  bool shared_kv;  // group > 8: decode_shared_kv_kernel
   // Split-KV: partial results of partitions of partition_size tokens, merged by the reduce kernel.
   // Always on in the batch-invariant mode (even for one partition), so a row's bits never depend
   // on whether some other row made the batch split.
   bool split;
   int threads, tpt, partition_size, num_partitions;
-  int gtile;       // decode_kernel's head tile (template parameter)
-  SharedKV sk;     // decode_shared_kv_kernel's shape
+  int heads_per_thread;  // G, the kernel's template parameter
+  DecodeShape sh;
   int64_t num_rows;  // query rows: num_seqs (decode), or num_tokens (prefill rows, batch-invariant mode)
   int64_t grid_x;
   int grid_y, grid_z;
   size_t smem;
   size_t workspace_floats;  // split-KV partials: tmp_out then tmp_ml (0 = one pass, no workspace)
-  bool k_aligned, v_aligned;
+  int blocks_per_sm;        // resident blocks per SM the fill heuristic assumed
 };
 
 // The batch-invariant mode's split size in tokens: a constant, never chosen from the batch, the
@@ -86,6 +100,42 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
   return (span + part - 1 + (windowed ? part - 1 : 0)) / part;
 }
 
+// The block's shape for `threads` threads (0: the default, grown up to 256 so a group of up to
+// kMaxHeadsPerBlock heads is served by one block).
+inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg, DecodePlan& pl) {
+  const int group = p.num_heads / p.num_kv_heads;
+  const int G = heads_per_thread(group);
+  pl.tpt = lanes_per_token(p.head_size);
+  pl.heads_per_thread = G;
+  const int block_tiles = (std::min(group, kMaxHeadsPerBlock) + G - 1) / G;  // head tiles one block would like
+  int threads = cfg.threads > 0 ? cfg.threads : std::min(256, std::max(kDecodeThreads, block_tiles * pl.tpt));
+  threads = (threads + 31) / 32 * 32;
+  if (threads > 256) threads = 256;
+  pl.threads = threads;
+  const int ntg = threads / pl.tpt;
+  DecodeShape& sh = pl.sh;
+  // Head chunks: at most kMaxHeadsPerBlock heads, and at most one head tile per token group.
+  int chunks = std::max((group + kMaxHeadsPerBlock - 1) / kMaxHeadsPerBlock, ((group + G - 1) / G + ntg - 1) / ntg);
+  sh.heads_per_block = ((group + chunks - 1) / chunks + G - 1) / G * G;
+  sh.n_hchunks = (group + sh.heads_per_block - 1) / sh.heads_per_block;
+  sh.groups_per_tile = ntg / (sh.heads_per_block / G);
+  const int elem = dtype_bytes(p.cache_dtype);
+  sh.pitch = (p.head_size * elem + 15) / 16 * 16;
+  sh.copy_bytes = widest_row_copy(p);
+  int tile = cfg.kv_tile > 0 ? cfg.kv_tile : sh.groups_per_tile * decode_rows_per_step(elem);
+  const int budget = cfg.kv_tile > 0 ? kMaxDecodeStageBytes : kDecodeStageBytes;
+  sh.tile_tokens = std::max(1, std::min(tile, budget / (2 * sh.pitch)));
+  sh.block_shift = -1;
+  for (int s = 0; s < 31; ++s)
+    if ((int64_t(1) << s) == p.block_size) sh.block_shift = s;
+  sh.smem_bytes = int(decode_smem(sh, threads, pl.tpt, G, p.head_size));
+  pl.smem = size_t(sh.smem_bytes);
+  // Resident blocks per SM by shared memory and registers (the kernel's register cap).
+  const int by_smem = kSmemPerSM / (sh.smem_bytes + kSmemReservedPerBlock);
+  const int by_regs = kRegistersPerSM / (kMaxRegistersPerThread * threads);
+  pl.blocks_per_sm = std::max(1, std::min({by_smem, by_regs, 32}));
+}
+
 // p.cu_seqlens_q != nullptr: the rows are prefill_attention's query rows (one per token, each with
 // its own position; the batch-invariant mode runs prefill through this kernel), else one decode row
 // per sequence.
@@ -93,37 +143,11 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
   // The batch-invariant mode ignores any configuration: a tuned one differs by batch shape.
   const LaunchConfig cfg = p.batch_invariant ? LaunchConfig{} : tuned_or_given;
   DecodePlan pl{};
-  const int threads = cfg.threads > 0 ? cfg.threads : kDecodeThreads;
-  if (threads % 32 || threads > 256)
+  if (cfg.threads > 0 && (cfg.threads % 32 || cfg.threads > 256))
     throw std::invalid_argument("paged_cuda: decode threads per block must be 32, 64, ..., 256");
-  pl.tpt = lanes_per_token(p.head_size);
-  const int group = p.num_heads / p.num_kv_heads;
-  pl.shared_kv = group > kMaxGroupTile;
-  int hchunks = 1;
-  if (!pl.shared_kv) {
-    pl.threads = threads;
-    pl.gtile = group_tile(group);
-    pl.smem = merge_floats(pl.threads / 32 * (32 / pl.tpt), group, p.head_size) * sizeof(float);
-  } else {
-    // Tiles of 8 heads; at most 8 tiles (256 threads, one warp each at least) per block.
-    const int tiles = (group + kMaxGroupTile - 1) / kMaxGroupTile;
-    hchunks = (tiles + 7) / 8;
-    const int tiles_per_block = (tiles + hchunks - 1) / hchunks;
-    SharedKV& sk = pl.sk;
-    sk.tpt = pl.tpt;
-    sk.warps_per_tile = std::max(1, threads / 32 / tiles_per_block);
-    sk.heads_per_block = tiles_per_block * kMaxGroupTile;
-    sk.n_hchunks = hchunks;
-    const int elem = dtype_bytes(p.cache_dtype);
-    sk.pitch = (p.head_size * elem + 15) / 16 * 16;
-    sk.copy_bytes = widest_row_copy(p);
-    const int chunk = cfg.kv_tile > 0 ? cfg.kv_tile : kSharedKVChunk;
-    sk.chunk = std::max(1, std::min(chunk, kMaxStageBytes / (2 * sk.pitch)));
-    pl.threads = tiles_per_block * sk.warps_per_tile * 32;
-    pl.smem = shared_kv_smem(sk, pl.threads, p.head_size);
-  }
+  plan_decode_shape(p, cfg, pl);
   pl.num_rows = p.cu_seqlens_q ? p.num_tokens : p.num_seqs;
-  pl.grid_x = pl.num_rows * hchunks;
+  pl.grid_x = pl.num_rows * pl.sh.n_hchunks;
   pl.grid_y = p.num_kv_heads;
   if (pl.grid_x > kMaxGridX || pl.grid_y > kMaxGridYZ || int64_t(p.num_heads) > kMaxGridYZ)
     throw std::invalid_argument("paged_cuda: decode batch too large for one launch (" + std::to_string(pl.num_rows) +
@@ -137,24 +161,35 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
   const bool windowed = p.window_left >= 0 && right >= 0 && p.window_left < max_ctx && right < max_ctx &&
                         p.window_left + right < max_ctx - 1;  // (no int64 wrap)
   const int64_t span = windowed ? p.window_left + right + 1 : max_ctx;
+  const int64_t blocks = pl.grid_x * pl.grid_y;
+  const int64_t sms = std::max(p.num_sms, 1);
   int64_t part;
   if (p.batch_invariant) {
     part = kBatchInvariantPartition;
     pl.split = true;
-  } else {
-    part = cfg.partition_size > 0 ? cfg.partition_size : kDecodePartition;
-    part = std::max<int64_t>(part, (span + kMaxPartitions - 1) / kMaxPartitions);
-    const int64_t blocks = pl.grid_x * pl.grid_y;
-    const int64_t sms = std::max(p.num_sms, 1);
-    pl.split = cfg.partition_size >= 0 && span > part && (cfg.force_split || blocks < 2 * sms);
+  } else if (cfg.partition_size > 0) {
+    // A given (tuned or test) size: the floor, grown so the grid stays ~4 blocks per SM.
+    part = std::max<int64_t>(cfg.partition_size, (span + kMaxPartitions - 1) / kMaxPartitions);
+    pl.split = span > part && (cfg.force_split || blocks < 2 * sms);
     if (pl.split && !cfg.force_split) {
-      // Enough partitions to give every SM ~4 blocks, no more: longer contexts get longer partitions
-      // instead, which bounds the float32 workspace (rows x heads x partitions x head_size).
       const int64_t max_parts = std::max<int64_t>(2, (4 * sms + blocks - 1) / blocks);
       part = std::max<int64_t>(part, (span + max_parts - 1) / max_parts);
     }
-    if (part > (int64_t(1) << 30)) part = int64_t(1) << 30;  // a context this long is one partition of many
+  } else {
+    // Fill the device: kDecodeFillBlocksPerSM resident blocks on every SM (what the bandwidth needs
+    // by Little's law: each block keeps kDecodeStages - 1 tiles of 16 KB in flight). A grid short
+    // of it cuts each row's keys into as many partitions as make it up, down to two pages (or 32
+    // tokens) each, in whole pages (rounded down, so the grid reaches the target).
+    const int64_t page = std::max<int64_t>(p.block_size, 1);
+    const int64_t min_part = std::max<int64_t>(page, (32 + page - 1) / page * page);
+    const int64_t wave = sms * std::min(kDecodeFillBlocksPerSM, pl.blocks_per_sm);
+    const int64_t parts_wanted = (wave + blocks - 1) / blocks;
+    part = span / parts_wanted / page * page;
+    part = std::max({part, min_part, (span + kMaxPartitions - 1) / kMaxPartitions});
+    pl.split = cfg.partition_size == 0 && (cfg.force_split || blocks < wave) && span > part;
   }
+  if (cfg.partition_size < 0) pl.split = false;
+  if (part > (int64_t(1) << 30)) part = int64_t(1) << 30;  // a context this long is one partition of many
   pl.partition_size = int(part);
   const int64_t parts = pl.split ? std::min((max_ctx + part - 1) / part, partitions_for_span(span, part, windowed)) : 1;
   if (parts > kMaxGridYZ)
@@ -163,8 +198,6 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
   pl.num_partitions = int(std::max<int64_t>(parts, 1));
   pl.grid_z = pl.num_partitions;
   pl.workspace_floats = pl.split ? size_t(pl.num_rows) * p.num_heads * pl.num_partitions * (p.head_size + 2) : 0;
-  pl.k_aligned = key_cache_aligned(p);
-  pl.v_aligned = value_cache_aligned(p);
   return pl;
 }
 

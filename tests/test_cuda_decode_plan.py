@@ -1,0 +1,164 @@
+"""The bandwidth decode kernel (csrc/kernels/decode.cuh, issue #23 item 2) under the emulator: its
+split-KV plan taken from the device's SM count (the emulator's, set by
+paged_cuda_emu_test.set_num_sms), the cp.async ring at tile sizes that leave every stage partial,
+the group spread over head tiles of <= 4 heads, and the general (odd view, non-power-of-two block)
+paths next to the fast ones. Same standards as tests/test_cuda_emu.py: fresh random inputs, NaN in
+the output and the unused cache slots, the float64 reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import paged_ops
+from paged_ops.testing import assert_close, make_case, nan_like
+
+if "cuda_emu" not in paged_ops.available_backends():  # optional: built only where CUDA's headers are
+    pytest.skip("the cuda_emu backend is not built", allow_module_level=True)
+
+selftest = torch.ops.paged_cuda_emu_test
+CONFIG_FIELDS = ("threads", "partition_size", "kv_tile", "force_split", "tensor_cores")  # kernels/params.h
+PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
+               "tile_tokens", "smem", "blocks_per_sm")  # backend.cpp decode_plan
+
+
+def config_list(**kw) -> list[int]:
+    return [int(kw.get(k, 0)) for k in CONFIG_FIELDS]
+
+
+@pytest.fixture
+def num_sms():
+    """num_sms(n): the emulated device has n SMs until the test ends."""
+    previous = []
+
+    def set_sms(n):
+        previous.append(selftest.set_num_sms(n))
+
+    yield set_sms
+    if previous:
+        selftest.set_num_sms(previous[0])
+
+
+def plan(case, **config) -> dict:
+    out = nan_like(case.query)
+    args = case.decode_args(out)[:6]  # out, query, key_cache, value_cache, block_tables, seq_lens
+    return dict(zip(PLAN_FIELDS, selftest.decode_plan(*args, config_list(**config))))
+
+
+def ctas(pl):
+    return pl["grid_x"] * pl["grid_y"] * pl["grid_z"]
+
+
+def run_decode(case, config=None):
+    out = nan_like(case.query)
+    if config is None:
+        paged_ops.backend("cuda_emu").decode_attention(*case.decode_args(out))
+    else:
+        selftest.decode_attention_config(*case.decode_args(out), config_list(**config))
+    assert_close(out, case.reference_prefill(), case.dtype)
+    return out
+
+
+def batch_one_case(ctx=4096):
+    # The issue's batch-1 shape: 32 query heads over 8 KV heads, head 128, bf16, block 16.
+    return make_case([ctx], num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16,
+                     spare_blocks=1, spare_columns=0, seed=5)
+
+
+def test_batch_one_plan_fills_132_sms(num_sms):
+    # Before: 512-token partitions at least, so 8 KV heads x 4096 tokens launched 64 CTAs on 132 SMs.
+    num_sms(132)
+    pl = plan(batch_one_case())
+    assert pl["split"] and ctas(pl) >= 132 * 2, pl
+    assert pl["partition_size"] % 16 == 0 and pl["partition_size"] >= 32, pl  # whole pages, two at least
+    assert pl["heads_per_thread"] == 4 and pl["threads"] == 128, pl
+
+
+def test_plan_follows_the_sm_count(num_sms):
+    case = batch_one_case()
+    num_sms(1)
+    assert not plan(case)["split"]  # 8 blocks already fill one SM twice over
+    num_sms(16)
+    sixteen = plan(case)
+    num_sms(264)
+    more = plan(case)
+    assert ctas(sixteen) >= 32 and ctas(more) >= 528 and more["partition_size"] < sixteen["partition_size"]
+
+
+def test_partitions_go_down_to_two_pages(num_sms):
+    num_sms(132)
+    pl = plan(make_case([256], num_heads=4, num_kv_heads=1, head_size=64, block_size=16, seed=2))
+    assert pl["split"] and pl["partition_size"] == 32 and pl["grid_z"] >= 8, pl  # (the table has a spare column)
+
+
+def test_a_full_batch_is_not_split(num_sms):
+    # 64 sequences x 8 KV heads = 512 blocks: two per SM already, the one-pass kernel.
+    num_sms(132)
+    case = make_case([40] * 64, num_heads=32, num_kv_heads=8, head_size=128, block_size=16, dtype=torch.bfloat16,
+                     seed=1)
+    pl = plan(case)
+    assert not pl["split"] and ctas(pl) == 512, pl
+
+
+@pytest.mark.parametrize("sms", [1, 132])
+@pytest.mark.parametrize("group,head_size,dtype,cache_dtype", [
+    (4, 128, torch.bfloat16, None), (8, 64, torch.float16, torch.float8_e4m3fn), (1, 256, torch.float32, None),
+    (3, 96, torch.bfloat16, torch.float8_e5m2)])
+def test_one_and_132_sm_plans_match_the_reference(num_sms, sms, group, head_size, dtype, cache_dtype):
+    num_sms(sms)
+    case = make_case([1, 37, 300, 700], num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=16,
+                     dtype=dtype, cache_dtype=cache_dtype, scale_kind="head", seed=group + sms)
+    pl = plan(case)
+    assert pl["split"] == (sms == 132), pl  # 8 blocks: one pass on 1 SM, partitions on 132
+    run_decode(case)
+
+
+@pytest.mark.parametrize("group,config", [
+    (8, dict(kv_tile=1, threads=32)),                        # one token a tile: every stage a tail
+    (4, dict(kv_tile=5, threads=64, force_split=1, partition_size=24)),  # tiles straddling pages and partitions
+    (2, dict(kv_tile=48, threads=256)),                      # several steps per tile and token group
+    (8, dict(threads=96)),                                   # token groups not a multiple of the head tiles
+    (6, dict()),                                             # a partial last head tile
+    (16, dict(threads=64, kv_tile=3)),                       # two head chunks of one tile each
+])
+def test_ring_shapes(group, config):
+    case = make_case([1, 15, 16, 17, 95, 130], num_heads=2 * group, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype=torch.bfloat16, seed=group)
+    run_decode(case, config)
+
+
+@pytest.mark.parametrize("block_size", [6, 16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_odd_views_and_block_sizes(block_size, group):
+    # An odd element offset and head stride: the ring falls back to 2-byte copies; a block size
+    # that is no power of two takes the division instead of the shift.
+    case = make_case([1, 17, 70, 121], num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=block_size,
+                     dtype=torch.bfloat16, seed=block_size + group)
+    if block_size == 16:
+        for name in ("key_cache", "value_cache"):
+            c = getattr(case, name)
+            wide = torch.full(c.shape[:-1] + (c.shape[-1] + 1,), float("nan"), dtype=c.dtype)[..., 1:]
+            wide.copy_(c)
+            setattr(case, name, wide)
+    run_decode(case)
+    run_decode(case, dict(force_split=1, partition_size=32))
+
+
+def test_variants_through_the_ring(num_sms):
+    # window + softcap + ALiBi + sinks + lse together, split and one pass, group 4.
+    num_sms(132)
+    case = make_case([3, 64, 333], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.float16,
+                     seed=9)
+    g = torch.Generator().manual_seed(3)
+    kw = dict(softcap=20.0, window_left=100, sinks=torch.randn(8, generator=g) * 2,
+              alibi_slopes=torch.rand(8, generator=g) * 0.1)
+    want, want_lse = case.reference_decode_lse(**kw)
+    for config in (None, dict(partition_size=-1)):
+        out = nan_like(case.query)
+        lse = torch.full(case.query.shape[:2], float("nan"))
+        if config is None:
+            paged_ops.backend("cuda_emu").decode_attention(*case.decode_args(out), **kw, lse=lse)
+        else:
+            selftest.decode_attention_config(*case.decode_args(out), config_list(**config), **kw, lse=lse)
+        assert_close(out, want, case.dtype)
+        assert_close(lse, want_lse, torch.float32)
