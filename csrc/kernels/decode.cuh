@@ -468,7 +468,13 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
   OnlineSoftmax<G> st;
   st.init();
   // Token rows of a tile per token group, in steps of kRows (one rescale a step).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  // sm_80 / 86 / 89 allocate G = 4 tighter: the scores of even two rows a step spill 8-16 B there
+  // at the 128-register cap (cuobjdump -res-usage), one row a step does not.
+  constexpr int kRows = G == kMaxHeadsPerThread ? 1 : decode_rows_per_step(int(sizeof(KV)));
+#else
   constexpr int kRows = decode_rows_per_step(int(sizeof(KV)));
+#endif
   const int rows_per_group = ceil_div(C, gpt);
   for (int j = 0; j < kDecodeStages; ++j) locate(j);
   __syncthreads();  // the first tiles' offsets, for every thread's copies
