@@ -21,8 +21,9 @@ inline paged::LaunchConfig launch_config(int threads, int partition_size, int kv
 }
 
 // Decode: threads per block x split-KV partition size in tokens (-1: the one-pass kernel only).
-// Query groups over 8 heads run the shared-KV kernel, whose staging chunk (kv_tile) trades shared
-// memory, hence blocks per SM, against barriers per token: it is swept there too.
+// The staging tile (kv_tile: KV tokens per cp.async ring stage, kernels/decode.cuh) trades shared
+// memory, hence blocks per SM, against barriers per token; it is swept for query groups over 8
+// heads (several head tiles read each staged token), the plan's default tile serves the others.
 inline std::vector<paged::LaunchConfig> decode_candidates(int64_t group) {
   std::vector<int> tiles{0};
   if (group > 8) tiles = {32, 64};
