@@ -925,6 +925,135 @@ inline void cp_async_wait_all() {
   cp_async_wait_group(0);
 }
 
+// ---- ldmatrix ------------------------------------------------------------------------------------
+// PTX ISA, "Warp-level matrix load instruction: ldmatrix", for
+// ldmatrix.sync.aligned.m8n8{.x1,.x2,.x4}{.trans}.shared.b16 (the kernels' wrapper: ldmatrix in
+// csrc/kernels/mma.cuh):
+//  * "The mandatory .aligned qualifier indicates that all threads in the warp must execute the same
+//    ldmatrix instruction." "The behavior of ldmatrix is undefined if all threads do not use the same
+//    qualifiers, or if any thread in the warp has exited."
+//  * "The eight addresses required for each matrix are provided by eight threads, depending upon the
+//    value of .num": .x1 threads 0-7, .x2 threads 0-15, .x4 threads 0-31. "Each address corresponds
+//    to the start of a matrix row. Addresses addr0-addr7 correspond to the rows of the first matrix,
+//    addresses addr8-addr15 correspond to the rows of the second matrix, and so on."
+//  * "When reading 8x8 matrices, a group of four consecutive threads loads 16 bytes. The matrix
+//    addresses must be naturally aligned accordingly."
+//  * "Each thread in a warp loads fragments of a row, with thread 0 receiving the first fragment in its
+//    register r, and so on. A group of four threads loads an entire row of the matrix" (the figure
+//    "ldmatrix fragment layout for one 8x8 Matrix with 16-bit elements": lane i holds row i / 4,
+//    elements 2 (i % 4) and 2 (i % 4) + 1, the lower-indexed in the low half of r). "When .num = .x2,
+//    the elements of the second matrix are loaded in the next destination register in each thread";
+//    .x4 likewise for the third and fourth.
+//  * "Optional qualifier .trans indicates that the matrix is loaded in column-major format": lane i
+//    holds row i / 4 of the transposed matrix, i.e. stored elements (row 2 (i % 4), column i / 4) and
+//    (row 2 (i % 4) + 1, column i / 4).
+// Stricter than the hardware: every one of the 32 lanes of a full warp takes part with the same .num
+// and .trans; each row address the shape uses is 16-byte aligned, and its 16 bytes lie in the block's
+// dynamic shared memory (where the kernels keep every ldmatrix tile; a static __shared__ array is
+// thread-local storage here that the emulator cannot tell from a stack); no byte of such a row is the
+// destination of a cp.async still in flight in any thread of the block (a wait_group missing or too
+// loose: the data would be undefined on a GPU). Addresses of lanes the shape does not use are ignored.
+//
+// Bank conflicts (counted, not failed: on a GPU they cost time, not correctness): each 8x8 matrix is
+// one shared-memory access of its 8 rows of 16 bytes; the 32 banks of 4 bytes serve it in one
+// wavefront when the 8 rows fall in 8 distinct 16-byte bank groups ((offset / 16) % 8, offset from
+// the start of shared memory), and in k wavefronts when k distinct rows share a group. The extra
+// wavefronts are added to ldmatrix_stats(), so a test proves a swizzled layout conflict-free.
+struct LdmatrixStats {
+  std::atomic<uint64_t> instructions{0};      // warp-wide ldmatrix instructions
+  std::atomic<uint64_t> matrices{0};          // 8x8 matrices they read
+  std::atomic<uint64_t> extra_wavefronts{0};  // bank-conflict wavefronts over one per matrix
+};
+inline LdmatrixStats& ldmatrix_stats() {
+  static LdmatrixStats s;
+  return s;
+}
+inline void reset_ldmatrix_stats() {
+  LdmatrixStats& s = ldmatrix_stats();
+  s.instructions = 0;
+  s.matrices = 0;
+  s.extra_wavefronts = 0;
+}
+
+namespace detail {
+struct LdmatrixLane {
+  const char* row;  // this lane's row address (used when lane < 8 * num)
+  int num;          // .x1 / .x2 / .x4
+  int trans;
+};
+inline std::string ldmatrix_name(int num, int trans) {
+  return "ldmatrix.m8n8.x" + std::to_string(num) + (trans ? ".trans" : "");
+}
+}  // namespace detail
+
+// r[0 .. num): this lane's fragment of each matrix; `row`: the row address this lane supplies.
+inline void ldmatrix(uint32_t* r, int num, bool trans, const void* row) {
+  using namespace detail;
+  Worker& w = worker();
+  if (!w.block || !w.cur) throw Error("cuda_emu: ldmatrix outside a kernel");
+  if (num != 1 && num != 2 && num != 4) fail("ldmatrix .num must be .x1, .x2 or .x4, not " + std::to_string(num));
+  BlockRun& b = blk();
+  const Warp& wp = b.warps[cur().linear / 32];
+  if (wp.existing != 0xffffffffu)
+    fail("ldmatrix in a warp of fewer than 32 threads (.aligned: every thread of the warp executes it)");
+  const LdmatrixLane mine{static_cast<const char*>(row), num, trans ? 1 : 0};
+  // A lane that exited, or one that never comes, fails here (warp_barrier): ".sync".
+  const unsigned char* raw = warp_allgather(0xffffffffu, &mine, sizeof(mine));
+  LdmatrixLane lanes[32];
+  for (unsigned l = 0; l < 32; ++l) std::memcpy(&lanes[l], raw + l * kMaxGatherBytes, sizeof(LdmatrixLane));
+  const unsigned lane = detail::lane_id();
+  for (unsigned l = 0; l < 32; ++l)
+    if (lanes[l].num != num || lanes[l].trans != mine.trans)
+      fail("ldmatrix: lanes of one warp execute different instructions (lane " + std::to_string(lane) + ": " +
+           ldmatrix_name(num, mine.trans) + ", lane " + std::to_string(l) + ": " +
+           ldmatrix_name(lanes[l].num, lanes[l].trans) + "; .aligned: the same qualifiers in every thread)");
+  const unsigned rows = 8u * unsigned(num);
+  const char* smem_lo = b.dyn_smem;
+  const char* smem_hi = b.dyn_smem + b.dyn_smem_bytes;
+  for (unsigned l = 0; l < rows; ++l) {
+    const char* p = lanes[l].row;
+    if (reinterpret_cast<uintptr_t>(p) % 16)
+      fail("misaligned address: " + ldmatrix_name(num, mine.trans) + " row address of lane " + std::to_string(l) +
+           " at " + hex_address(p) + ", not a multiple of 16 (rows of 16 bytes, naturally aligned)");
+    if (p < smem_lo || p + 16 > smem_hi)
+      fail(ldmatrix_name(num, mine.trans) + " row address of lane " + std::to_string(l) + " at " + hex_address(p) +
+           " is not inside the block's dynamic shared memory (" + std::to_string(b.dyn_smem_bytes) + " B)");
+  }
+  if (lane == 0) {  // once per instruction: in-flight copies, bank conflicts
+    for (const Fiber& f : b.fibers)
+      for (const PendingCopy& c : f.copies)
+        for (unsigned l = 0; l < rows; ++l)
+          if (c.dst < lanes[l].row + 16 && lanes[l].row < c.dst + c.bytes)
+            fail(ldmatrix_name(num, mine.trans) + " reads the row of lane " + std::to_string(l) + " at " +
+                 hex_address(lanes[l].row) + " while a cp.async of thread " + std::to_string(f.linear) +
+                 " into it is still in flight (cp.async.wait_group missing or too loose before the read)");
+    uint64_t extra = 0;
+    for (unsigned m = 0; m < unsigned(num); ++m) {
+      unsigned per_group[8] = {};  // distinct row addresses per 16-byte bank group
+      for (unsigned i = 0; i < 8; ++i) {
+        const char* p = lanes[m * 8 + i].row;
+        bool repeated = false;  // the same address twice is one broadcast read
+        for (unsigned k = 0; k < i; ++k) repeated |= lanes[m * 8 + k].row == p;
+        if (!repeated) ++per_group[size_t(p - smem_lo) / 16 % 8];
+      }
+      extra += *std::max_element(per_group, per_group + 8) - 1;
+    }
+    LdmatrixStats& s = ldmatrix_stats();
+    s.instructions.fetch_add(1, std::memory_order_relaxed);
+    s.matrices.fetch_add(uint64_t(num), std::memory_order_relaxed);
+    s.extra_wavefronts.fetch_add(extra, std::memory_order_relaxed);
+  }
+  const unsigned g = lane / 4, t = lane % 4;
+  for (unsigned m = 0; m < unsigned(num); ++m) {
+    uint16_t e[2];
+    for (unsigned k = 0; k < 2; ++k) {
+      const char* src = trans ? lanes[m * 8 + 2 * t + k].row + 2 * g : lanes[m * 8 + g].row + 2 * (2 * t + k);
+      std::memcpy(&e[k], src, 2);
+    }
+    r[m] = uint32_t(e[0]) | (uint32_t(e[1]) << 16);
+  }
+}
+
 // ---- __launch_bounds__ ---------------------------------------------------------------------------
 // A launch with more threads per block than the kernel's __launch_bounds__(max_threads) fails on a
 // GPU (CUDA C++ Programming Guide, launch bounds). The emulator drops the attribute itself (the

@@ -114,4 +114,38 @@ __device__ __forceinline__ void load_b_frag_kn(uint32_t (&b)[2], const T* s, int
   b[1] = pack2_raw(p[8 * ld], p[9 * ld]);
 }
 
+// ldmatrix.sync.aligned.m8n8.x{N}{.trans}.shared.b16 (PTX ISA, "Warp-level matrix load instruction:
+// ldmatrix"): N 8x8 matrices of 16-bit elements from shared memory, all 32 lanes together. Lane l
+// gives the address of row l % 8 of matrix l / 8 (16 bytes, 16-byte aligned; lanes >= 8 N give
+// none the instruction uses); r[m] of lane i is row i / 4, elements 2 (i % 4), 2 (i % 4) + 1 of
+// matrix m, the lower in the low half: the A/B/C fragment layout above, so one ldmatrix x4 is an
+// A fragment or the B fragments of two n-tiles. Trans: of the transposed matrix (stored rows become
+// columns), which turns V's [token][dim] rows into P V's k-major B fragments.
+template <int N, bool Trans>
+__device__ __forceinline__ void ldmatrix(uint32_t (&r)[N], const void* smem_row) {
+  static_assert(N == 1 || N == 2 || N == 4, "ldmatrix: .x1, .x2 or .x4");
+#ifdef PAGED_EMU
+  ::cuda_emu::ldmatrix(r, N, Trans, smem_row);  // the PTX rules, checked (csrc/emu/cuda_emu.h)
+#else
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  if constexpr (N == 4 && Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  } else if constexpr (N == 4) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+  } else if constexpr (N == 2 && Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s));
+  } else if constexpr (N == 2) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s));
+  } else if constexpr (Trans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(s));
+  }
+#endif
+}
+
 }  // namespace PAGED_KERNEL_NS
