@@ -11,7 +11,8 @@ definition ("Warp-level matrix load instruction: ldmatrix"), not against the ker
   * multi-stage cp.async groups (wait_group N > 0): exactly the N most recent groups stay in flight;
   * .trans vs plain swapped in a P V product: the numbers are wrong (caught by comparing with a matmul);
   * bank conflicts are counted per 8x8 matrix: an unswizzled 128-byte pitch costs 7 extra wavefronts
-    per matrix, the XOR swizzle and a 144-byte pitch none.
+    per matrix, the XOR swizzle and a 144-byte pitch none; the tensor-core prefill kernel's ldmatrix
+    reads are conflict-free.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 import paged_ops
-from paged_ops.testing import assert_close
+from paged_ops.testing import assert_close, make_case, nan_like
 
 if "cuda_emu" not in paged_ops.available_backends():  # optional: built only where CUDA's headers are
     pytest.skip("the cuda_emu backend is not built", allow_module_level=True)
@@ -156,3 +157,17 @@ def test_bank_conflicts_counted_per_matrix(pitch, swizzle, extra_per_matrix):
     instructions, matrices, extra = selftest.ldmatrix_stats(True)
     assert (instructions, matrices) == (1, 4)
     assert extra == 4 * extra_per_matrix
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [64, 128, 96])
+def test_tensor_core_prefill_reads_are_conflict_free(dtype, head_size):
+    case = make_case([70, 130], q_lens=[70, 9], num_heads=4, num_kv_heads=2, head_size=head_size, block_size=16,
+                     dtype=dtype, seed=head_size)
+    out = nan_like(case.query)
+    selftest.ldmatrix_stats(True)
+    selftest.prefill_attention_config(*case.prefill_args(out), [0, 0, 0, 0, 1])
+    instructions, matrices, extra = selftest.ldmatrix_stats(True)
+    assert_close(out, case.reference_prefill(), dtype)
+    assert instructions > 0, "the tensor-core prefill reads its tiles by ldmatrix"
+    assert extra == 0, f"{extra} bank-conflict wavefronts over {matrices} matrices"

@@ -204,11 +204,15 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
 // ---- prefill -----------------------------------------------------------------------------------
 constexpr int kPrefillThreads = 128;
 constexpr int kPrefillKvTile = 32;
-// Tensor-core kernel: 4 warps x 16 packed rows, KV tiles of 32 tokens.
-constexpr int kTcRows = 64, kTcKv = 32, kTcThreads = 128;
+// Tensor-core kernels: 4 warps x 16 packed rows; KV tiles of 32 tokens (the general kernel, any
+// cache), 64 (the pipelined kernel: cp.async tiles, double-buffered, of a 16-bit cache).
+constexpr int kTcRows = 64, kTcKv = 32, kTcPipelinedKv = 64, kTcThreads = 128;
 
 struct PrefillPlan {
   bool tensor_cores;  // prefill_tc_kernel (fp16/bf16 queries) or the CUDA-core prefill_kernel
+  // Tensor cores on a cache of the query's dtype whose rows all start 16-byte aligned:
+  // prefill_tc_pipelined_kernel (K/V by 16-byte cp.async); fp8 caches and odd views take prefill_tc_kernel.
+  bool pipelined;
   int threads;
   int rows;           // packed (query, head) rows per tile (BM)
   int kv_tile;        // KV tokens per shared-memory tile (BN)
@@ -232,8 +236,14 @@ inline PrefillPlan plan_prefill(const AttentionParams& p, const LaunchConfig& cf
     pl.rows = kTcRows;
     pl.kv_tile = kTcKv;
     pl.head_tile = p.head_size <= 64 ? 64 : p.head_size <= 128 ? 128 : 256;
-    const int Dp = (p.head_size + 15) / 16 * 16;
-    pl.smem = size_t(kTcRows + 2 * kTcKv) * (Dp + 8) * 2;  // Q, K, V tiles of 16-bit elements
+    pl.pipelined = p.cache_dtype == p.dtype && key_cache_aligned(p) && value_cache_aligned(p);
+    if (pl.pipelined) {
+      pl.kv_tile = kTcPipelinedKv;
+      pl.smem = size_t(kTcRows + 4 * kTcPipelinedKv) * pl.head_tile * 2;  // Q, K[2], V[2] of 16-bit elements
+    } else {
+      const int Dp = (p.head_size + 15) / 16 * 16;
+      pl.smem = size_t(kTcRows + 2 * kTcKv) * (Dp + 8) * 2;  // Q, K, V tiles of 16-bit elements
+    }
   } else {
     pl.threads = cfg.threads > 0 ? cfg.threads : kPrefillThreads;
     if (pl.threads % 32 || pl.threads < 64 || pl.threads > 256)

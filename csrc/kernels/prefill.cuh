@@ -1,4 +1,8 @@
-// Varlen paged prefill attention: two kernels over the same tiling.
+// Varlen paged prefill attention: three kernels over the same row tiling. The CUDA-core kernel
+// (prefill_kernel: any dtype, fp32 queries always); the tensor-core kernels for fp16/bf16 queries:
+// prefill_tc_pipelined_kernel (a cache of the query's dtype with 16-byte aligned rows: cp.async,
+// swizzled shared memory, ldmatrix, FlashAttention-2's structure; see its comment, also for sm_90)
+// and prefill_tc_kernel (the general one: fp8 caches, odd views; synchronous staging through float).
 //
 // Rows are "packed GQA": a block for (sequence, KV head) owns tiles of consecutive rows of the
 // sequence's q_len x group (query position, query head) matrix, so each K/V tile loaded into shared
@@ -246,39 +250,44 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
   }
 }
 
-// The add-back of the tensor-core kernel's edge tiles: for every key of the tile hidden from some
+// The add-back of the tensor-core kernels' edge tiles: for every key of the tile hidden from some
 // row whose V has a non-finite element (staged as 0), o += p * v for exactly the rows that see it.
 // The probability of (row, key) is in the S fragment of the row's quad lane that holds the key's
 // column: a shuffle brings it to the quad's 4 lanes, each owning 2 of the row's output columns
 // per n-tile. V is read again from the cache (rare: only a tile that held a value back).
+// One key per iteration, not unrolled, so the rare path stays small in the kernel's code: the
+// key's probabilities are read from a copy of s indexed at run time (local memory, here only);
+// s itself is indexed by constants everywhere, so it stays in registers.
 // Warp-uniform loop bounds: the shuffles see the full warp.
 template <int NT_S, int NT_O, typename KV>
 __device__ __forceinline__ void add_back_nonfinite_v(float (&o)[NT_O][4], const float (&s)[NT_S][4],
                                                      const PagedKV<KV>& V, int kv0, int n, int D,
                                                      const KeyRange (&keys)[2], KeyRange seen_by_all) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  // Key c = nt * 8 + cc of the tile: nt unrolled, so the fragment registers are indexed by
-  // constants only (a runtime index would move s to local memory).
+  float ps[NT_S * 4];
 #pragma unroll
-  for (int nt = 0; nt < NT_S; ++nt) {
-    for (int cc = 0; cc < 8 && nt * 8 + cc < n; ++cc) {
-      const int tok = kv0 + nt * 8 + cc;
-      if (seen_by_all.contains(tok)) continue;  // its values were staged as they are
-      const int src = (lane & ~3) | (cc / 2);
-      const float pr[2] = {__shfl_sync(kFullMask, cc % 2 ? s[nt][1] : s[nt][0], src),
-                           __shfl_sync(kFullMask, cc % 2 ? s[nt][3] : s[nt][2], src)};
-      const KV* vrow = V.row(tok);
+  for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-      for (int ot = 0; ot < NT_O; ++ot) {
-        if (ot * 8 < D) {
+    for (int i = 0; i < 4; ++i) ps[nt * 4 + i] = s[nt][i];
+#pragma unroll 1
+  for (int c = 0; c < n; ++c) {
+    const int tok = kv0 + c;
+    if (seen_by_all.contains(tok)) continue;  // its values were staged as they are (warp-uniform)
+    // Key c is column 2 t' + e of n-tile c / 8 in quad lane t' = (c % 8) / 2, element e = c % 2;
+    // s[nt][e] is row g's, s[nt][2 + e] row g + 8's.
+    const int src = (lane & ~3) | ((c % 8) / 2), at = (c / 8) * 4 + c % 2;
+    const float pr[2] = {__shfl_sync(kFullMask, ps[at], src), __shfl_sync(kFullMask, ps[at + 2], src)};
+    const KV* vrow = V.row(tok);
 #pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const float v = to_float(vrow[ot * 8 + 2 * t + k]);
-            if (fabsf(v) < INFINITY) continue;  // finite: the mma has it
+    for (int ot = 0; ot < NT_O; ++ot) {
+      if (ot * 8 < D) {
 #pragma unroll
-            for (int h = 0; h < 2; ++h)
-              if (keys[h].contains(tok)) o[ot][2 * h + k] += pr[h] * v;
-          }
+        for (int k = 0; k < 2; ++k) {
+          const float v = to_float(vrow[ot * 8 + 2 * t + k]);
+          if (fabsf(v) < INFINITY) continue;  // finite: the mma has it
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            if (keys[h].contains(tok)) o[ot][2 * h + k] += pr[h] * v;
         }
       }
     }
@@ -494,6 +503,355 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
   }
 }
 
+// ---- Tensor-core kernel, FlashAttention-2's structure (16-bit caches, 16-byte aligned views) ---
+// For a cache of the query's dtype whose every row is 16-byte aligned (plan.pipelined), per row tile
+// of 64 packed rows (4 warps x 16) and KV tiles of 64 keys:
+//  * K and V tiles go by 16-byte cp.async straight from the paged cache into shared memory, double
+//    buffered: the next tile's K and V (two commit groups) load while this tile computes;
+//  * shared-memory rows of DMAX elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
+//    (swizzled_offset): the 8 rows of every 8x8 matrix ldmatrix reads are 8 consecutive rows of one
+//    logical chunk, so they fall in 8 distinct bank groups (conflict-free by construction, counted by
+//    the emulator: tests/test_emu_ldmatrix.py), and so do the 16-byte cp.async writes of 8 lanes;
+//  * fragments by ldmatrix: Q's (A) once per row tile, kept in registers for the whole KV loop when
+//    head_size <= 128 (at 256 they would not fit beside the 128 accumulators: re-read per k-step),
+//    K's non-transposed (QK^T's B), V's by .trans (P V's B);
+//  * the mask (causal diagonal, window edges, the sequence's end) only on the tiles that hold a key
+//    hidden from some row of the tile; the others apply just the score modifiers.
+// A non-finite V of a key hidden from some row cannot be kept from the copy as the general kernel
+// does; on edge tiles only, it is zeroed in shared memory after the copy lands and added back to the
+// rows that see it (add_back_nonfinite_v), as there.
+// sm_90: this is the Ampere (mma.sync) structure. A wgmma / TMA path is not written: on Hopper the
+// Triton prefill (wgmma) is the choice, and the tuner times cuda against triton per shape (issue #23
+// item 6).
+// n / d and n % d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 fixed for the kernel (the block size,
+// the GQA group): a multiply and a shift instead of a division's ~20 instructions. With
+// 2^(s-1) < d <= 2^s and mul = ceil(2^(31+s) / d), floor(n * mul / 2^(31+s)) = floor(n / d) for every
+// n < 2^31 (the error mul * d - 2^(31+s) is below d <= 2^s: Granlund & Montgomery's round-up method).
+struct FastDivmod {
+  int d, shift;
+  uint64_t mul;
+  __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor), shift(0) {
+    while ((1 << shift) < d) ++shift;
+    mul = ((uint64_t(1) << (31 + shift)) + uint64_t(d) - 1) / uint64_t(d);
+  }
+  __device__ __forceinline__ int div(int n) const { return int((uint64_t(n) * mul) >> (31 + shift)); }
+  __device__ __forceinline__ int mod(int n) const { return n - div(n) * d; }
+};
+
+template <int DMAX>
+__device__ __forceinline__ int swizzled_offset(int row, int chunk) {
+  return row * DMAX + ((chunk ^ (row & 7)) << 3);
+}
+
+template <typename T, int DMAX>
+__global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionParams p, int64_t row_tiles) {
+  PAGED_LAUNCH_BOUNDS_CHECK(128);
+  constexpr int BM = kTcRows, BN = kTcPipelinedKv;
+  constexpr int NT_O = DMAX / 8, KS_MAX = DMAX / 16, NT_S = BN / 8;
+  constexpr int kChunks = DMAX / 8;                   // 16-byte chunks per shared-memory row
+  constexpr int kRowsPerPass = kTcThreads / kChunks;  // rows one pass of the block's threads copies
+  constexpr bool kQInRegisters = DMAX <= 128;
+  static_assert(kTcThreads % kChunks == 0 && BN % kRowsPerPass == 0 && BM % kRowsPerPass == 0, "copy passes");
+  const int64_t seq = blockIdx.x / row_tiles;
+  const int64_t slot = blockIdx.x % row_tiles;
+  const int kvh = blockIdx.y;
+  const int q0 = p.cu_seqlens_q[seq];
+  const int q_len = p.cu_seqlens_q[seq + 1] - q0;
+  const int group = int(p.num_heads) / int(p.num_kv_heads);  // int: see prefill_kernel
+  const int64_t total_rows = int64_t(q_len) * group;
+  const int seq_len = p.seq_lens[seq];
+  const int D = int(p.head_size), Dp = (D + 15) / 16 * 16, data_chunks = D / 8, used_chunks = Dp / 8;
+
+  // [BM] Q rows, then K[2], V[2] tiles of BN rows: rows of DMAX 16-bit elements, swizzled.
+  PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + 4 * BN) * DMAX);
+  auto k_tile = [&](int buf) { return sm + (BM + buf * BN) * DMAX; };
+  auto v_tile = [&](int buf) { return sm + (BM + (2 + buf) * BN) * DMAX; };
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  // This thread's chunk of every row it copies, and its first row.
+  const int my_chunk = threadIdx.x % kChunks, my_row = threadIdx.x / kChunks;
+  // ldmatrix: lane l gives a row of matrix l / 8 (mma.cuh's ldmatrix).
+  const int ld_mat = lane / 8, ld_row = lane % 8;
+  const ScoreMod mod =
+      score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh));
+  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
+  const PagedKV<T> K = paged_k<T>(p, seq, kvh), V = paged_v<T>(p, seq, kvh);
+  const bool q_vectors = reinterpret_cast<uintptr_t>(p.query) % 16 == 0 && p.q_stride_token % 8 == 0 &&
+                         p.q_stride_head % 8 == 0;  // block-uniform
+  const uint4 zeros = make_uint4(0u, 0u, 0u, 0u);
+  const FastDivmod by_block(K.block_size), by_group(group);
+
+  for (int64_t row0 = slot * BM; row0 < total_rows; row0 += row_tiles * BM) {  // block-uniform
+    const int nrows = int(min(int64_t(BM), total_rows - row0));
+    const int pos_first = seq_len - q_len + int(row0 / group);
+    const int pos_last = seq_len - q_len + int((row0 + nrows - 1) / group);
+    // As in prefill_tc_kernel: the first row sees the earliest keys, the last the latest.
+    const KeyRange first = visible_keys(p, pos_first, seq_len), last = visible_keys(p, pos_last, seq_len);
+    const int kv_begin = first.lo, kv_end = last.hi;
+    const KeyRange seen_by_all{last.lo, first.hi};
+
+    // stage_kv: one tile's K rows, then its V rows, by cp.async, one commit group each; rows at or
+    // past kv_end (never read from the cache: they may hold NaN or lie past the table) and the
+    // padding chunk of a head_size % 16 == 8 row are zeros, so the mma's 0 * v stays 0.
+    auto stage_kv = [&](int kv0, int buf) {
+      constexpr int kPasses = BN / kRowsPerPass;
+      // Row by row (the block-table entry read again for V, from L1: holding every row's entry
+      // between the two loops would cost 2 kPasses registers, a spill at head_size 256).
+      auto copy_rows = [&](const PagedKV<T>& cache, T* tile) {
+#pragma unroll
+        for (int pass = 0; pass < kPasses; ++pass) {
+          const int j = my_row + pass * kRowsPerPass, tok = kv0 + j;
+          T* dst = tile + swizzled_offset<DMAX>(j, my_chunk);
+          if (tok < kv_end && my_chunk < data_chunks) {
+            const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
+            copy_async(dst, cache.base + cache.block_table[in_table] * cache.stride_block + off * cache.stride_token +
+                                8 * my_chunk,
+                       16);
+          } else if (my_chunk < used_chunks) {
+            *reinterpret_cast<uint4*>(dst) = zeros;
+          }
+        }
+        cp_async_commit();
+      };
+      copy_rows(K, k_tile(buf));
+      copy_rows(V, v_tile(buf));
+    };
+
+    __syncthreads();  // every warp is done with the previous row tile's Q and K/V tiles
+    // The first K/V tile loads while Q is staged.
+    if (kv_begin < kv_end) stage_kv(kv_begin, 0);
+
+    // Packed row r of the tile is (query qi, head gq of the group): one 64-bit division per row tile,
+    // 32-bit ones per row (r < BM: row_q0 * group + row_g0 + r stays in int range of a row).
+    const int64_t row_q0 = row0 / group;
+    const int row_g0 = int(row0 - row_q0 * group);
+    auto query_of = [&](int r) { return int(row_q0) + by_group.div(row_g0 + r); };
+    auto head_of = [&](int r) { return by_group.mod(row_g0 + r); };
+
+    // load_q: raw query values (the scale multiplies the scores), zeros in padding rows and columns.
+    auto q_chunk = [&](int r) {
+      return static_cast<const T*>(p.query) + (q0 + query_of(r)) * p.q_stride_token +
+             (kvh * group + head_of(r)) * p.q_stride_head + 8 * my_chunk;
+    };
+    if (q_vectors) {
+#pragma unroll
+      for (int pass = 0; pass < BM / kRowsPerPass; ++pass) {
+        const int r = my_row + pass * kRowsPerPass;
+        if (my_chunk >= used_chunks) continue;
+        uint4 x = zeros;
+        if (r < nrows && my_chunk < data_chunks) x = *reinterpret_cast<const uint4*>(q_chunk(r));
+        *reinterpret_cast<uint4*>(sm + swizzled_offset<DMAX>(r, my_chunk)) = x;
+      }
+    } else {  // a query view of odd strides: element loads (cold: not unrolled)
+#pragma unroll 1
+      for (int pass = 0; pass < BM / kRowsPerPass; ++pass) {
+        const int r = my_row + pass * kRowsPerPass;
+        if (my_chunk >= used_chunks) continue;
+        T x[8];
+        for (int i = 0; i < 8; ++i) x[i] = r < nrows && my_chunk < data_chunks ? q_chunk(r)[i] : from_float<T>(0.f);
+        memcpy(static_cast<void*>(sm + swizzled_offset<DMAX>(r, my_chunk)), x, 16);
+      }
+    }
+    __syncthreads();  // Q visible to every warp
+
+    // Q's A fragments: matrix l / 8 of a 16x16 step = (rows 0-7 | 8-15) x (columns 0-7 | 8-15).
+    auto load_q_frag = [&](uint32_t (&a)[4], int ks) {
+      ldmatrix<4, false>(a, sm + swizzled_offset<DMAX>(warp * 16 + ld_row + 8 * (ld_mat % 2), 2 * ks + ld_mat / 2));
+    };
+    uint32_t qf[kQInRegisters ? KS_MAX : 1][4];
+    if constexpr (kQInRegisters) {
+#pragma unroll
+      for (int ks = 0; ks < KS_MAX; ++ks)
+        if (ks * 16 < Dp) load_q_frag(qf[ks], ks);
+    }
+
+    // This lane's two rows: position, visible keys (none for padding rows), ALiBi slope.
+    int pos[2];
+    KeyRange keys[2];
+    float slope[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + g + 8 * h;
+      pos[h] = seq_len - q_len + query_of(r);
+      keys[h] = r < nrows ? visible_keys(p, pos[h], seq_len) : KeyRange{0, 0};
+      slope[h] = r < nrows ? alibi_log2(p, kvh * group + head_of(r)) : 0.f;
+    }
+    float o[NT_O][4];
+#pragma unroll
+    for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+    int buf = 0;
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN, buf ^= 1) {  // block-uniform
+      const bool has_next = kv0 + BN < kv_end;
+      // In flight: this tile's K and V groups. K's complete, V's may still be in flight.
+      cp_async_wait<1>();
+      __syncthreads();  // K visible; every warp is done with the previous tile, whose buffers come next
+      if (has_next) stage_kv(kv0 + BN, buf ^ 1);
+      const T* Kt = k_tile(buf);
+      const T* Vt = v_tile(buf);
+
+      // compute_qk: B fragments of two n-tiles per ldmatrix x4: matrix l / 8 = (keys 0-7 | 8-15) x
+      // (dims 0-7 | 8-15) of the pair, in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1].
+      float s[NT_S][4];
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < KS_MAX; ++ks) {
+        if (ks * 16 < Dp) {
+          uint32_t a_reread[4];
+          if constexpr (!kQInRegisters) load_q_frag(a_reread, ks);
+          const uint32_t(&a)[4] = kQInRegisters ? qf[kQInRegisters ? ks : 0] : a_reread;
+#pragma unroll
+          for (int np = 0; np < NT_S / 2; ++np) {
+            uint32_t b[4];
+            ldmatrix<4, false>(b, Kt + swizzled_offset<DMAX>(np * 16 + ld_row + 8 * (ld_mat / 2), 2 * ks + ld_mat % 2));
+            const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_16816<T>(s[2 * np], a, b0);
+            mma_16816<T>(s[2 * np + 1], a, b1);
+          }
+        }
+      }
+
+      // update_softmax: the mask only on a tile holding a key hidden from some row of the tile.
+      const bool edge = kv0 < seen_by_all.lo || kv0 + BN > seen_by_all.hi;  // block-uniform
+      float mx[2] = {-INFINITY, -INFINITY};
+      if (edge) {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tok = kv0 + nt * 8 + 2 * t + (i % 2), h = i / 2;
+            const float v = keys[h].contains(tok) ? mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]) : -INFINITY;
+            s[nt][i] = v;
+            mx[h] = fmaxf(mx[h], v);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int tok = kv0 + nt * 8 + 2 * t + (i % 2), h = i / 2;
+            const float v = mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]);
+            s[nt][i] = v;
+            mx[h] = fmaxf(mx[h], v);
+          }
+        }
+      }
+      float alpha[2], rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+        const float mn = fmaxf(m[h], mx[h]);
+        alpha[h] = mn == -INFINITY ? 1.f : exp2f(m[h] - mn);  // -inf - -inf would be NaN
+        m[h] = mn;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float pr = s[nt][i] == -INFINITY ? 0.f : exp2f(s[nt][i] - m[i / 2]);  // NaN stays NaN
+          s[nt][i] = pr;
+          rs[i / 2] += pr;
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        rs[h] += __shfl_xor_sync(kFullMask, rs[h], 1);
+        rs[h] += __shfl_xor_sync(kFullMask, rs[h], 2);
+        l[h] = l[h] * alpha[h] + rs[h];
+      }
+
+      // This tile's V: complete once only the next tile's two groups may be in flight.
+      if (has_next) cp_async_wait<2>();
+      else cp_async_wait<0>();
+      bool add_back = false;
+      if (edge) {
+        __syncthreads();  // V visible
+        // Non-finite V elements of keys hidden from some row: zero in the tile, added back below.
+        bool held_back = false;
+#pragma unroll
+        for (int pass = 0; pass < BN / kRowsPerPass; ++pass) {
+          const int j = my_row + pass * kRowsPerPass, tok = kv0 + j;
+          if (my_chunk < data_chunks && tok < kv_end && !seen_by_all.contains(tok)) {
+            T* at = v_tile(buf) + swizzled_offset<DMAX>(j, my_chunk);
+            T h[8];
+            const uint4 u = *reinterpret_cast<const uint4*>(at);
+            memcpy(static_cast<void*>(h), &u, 16);
+            bool any = false;
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+              if (!(fabsf(to_float(h[i])) < INFINITY)) {  // inf or NaN
+                h[i] = from_float<T>(0.f);
+                any = true;
+              }
+            }
+            if (any) {
+              uint4 w;
+              memcpy(&w, static_cast<const void*>(h), 16);
+              *reinterpret_cast<uint4*>(at) = w;
+              held_back = true;
+            }
+          }
+        }
+        add_back = __syncthreads_or(held_back) != 0;  // block-uniform
+      } else {
+        __syncthreads();  // V visible
+      }
+
+      // compute_pv: B fragments of two n-tiles per ldmatrix x4 .trans: matrix l / 8 = (keys 0-7 |
+      // 8-15) x (dims 0-7 | 8-15), in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1].
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt) {
+        o[nt][0] *= alpha[0];
+        o[nt][1] *= alpha[0];
+        o[nt][2] *= alpha[1];
+        o[nt][3] *= alpha[1];
+      }
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[4];
+        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+        for (int np = 0; np < NT_O / 2; ++np) {
+          if (np * 16 < D) {
+            uint32_t b[4];
+            ldmatrix<4, true>(b, Vt + swizzled_offset<DMAX>(kk * 16 + ld_row + 8 * (ld_mat % 2), 2 * np + ld_mat / 2));
+            const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
+            mma_16816<T>(o[2 * np], a, b0);
+            mma_16816<T>(o[2 * np + 1], a, b1);
+          }
+        }
+      }
+      if (add_back)
+        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), D, keys, seen_by_all);
+    }
+
+    // store
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + g + 8 * h;
+      if (r < nrows) {
+        const int qi = query_of(r), gg = head_of(r);
+        // The quad's 4 lanes hold the same m and l; lane t = 0 writes lse.
+        const float inv = finish_row(p, m[h], l[h], q0 + qi, kvh * group + gg, t == 0) * vscale;
+        T* out = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (kvh * group + gg) * p.o_stride_head;
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt) {
+          if (nt * 8 < D) {
+            out[nt * 8 + 2 * t] = from_float<T>(o[nt][2 * h] * inv);
+            out[nt * 8 + 2 * t + 1] = from_float<T>(o[nt][2 * h + 1] * inv);
+          }
+        }
+      }
+    }
+  }
+}
+
 // `pl`: plan_prefill(p, cfg) (kernels/plan.h), computed once by the binding.
 inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream stream) {
   const dim3 grid(unsigned(pl.grid_x), unsigned(pl.grid_y));
@@ -504,6 +862,19 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
       if constexpr (std::is_same_v<T, float>) {
         // fp32 queries have no tensor-core path (plan_prefill never picks it for them).
       } else {
+        if constexpr (std::is_same_v<KV, T>) {
+          if (pl.tensor_cores && pl.pipelined) {
+            auto run = [&](auto kernel) {
+              PAGED_ALLOW_SMEM(kernel, pl.smem);
+              PAGED_LAUNCH(kernel, grid, dim3(kTcThreads), pl.smem, stream, p, pl.row_tiles);
+              PAGED_CHECK_LAUNCH("prefill_tc_pipelined_kernel");
+            };
+            if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, 64>);
+            else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, 128>);
+            else run(prefill_tc_pipelined_kernel<T, 256>);
+            return;
+          }
+        }
         if (pl.tensor_cores) {
           auto run = [&](auto kernel) {
             PAGED_ALLOW_SMEM(kernel, pl.smem);
