@@ -205,8 +205,11 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
 constexpr int kPrefillThreads = 128;
 constexpr int kPrefillKvTile = 32;
 // Tensor-core kernels: 4 warps x 16 packed rows; KV tiles of 32 tokens (the general kernel, any
-// cache), 64 (the pipelined kernel: cp.async tiles, double-buffered, of a 16-bit cache).
-constexpr int kTcRows = 64, kTcKv = 32, kTcPipelinedKv = 64, kTcThreads = 128;
+// cache), the pipelined kernel's (cp.async tiles, double-buffered, of a 16-bit cache) below.
+constexpr int kTcRows = 64, kTcKv = 32, kTcThreads = 128;
+// The pipelined kernel's KV tile per head tile: 64 keys, 32 at 256 (o's 128 accumulators per lane
+// beside 64 keys' scores spill on sm_80).
+constexpr int tc_pipelined_kv_tile(int head_tile) { return head_tile > 128 ? 32 : 64; }
 
 struct PrefillPlan {
   bool tensor_cores;  // prefill_tc_kernel (fp16/bf16 queries) or the CUDA-core prefill_kernel
@@ -238,8 +241,8 @@ inline PrefillPlan plan_prefill(const AttentionParams& p, const LaunchConfig& cf
     pl.head_tile = p.head_size <= 64 ? 64 : p.head_size <= 128 ? 128 : 256;
     pl.pipelined = p.cache_dtype == p.dtype && key_cache_aligned(p) && value_cache_aligned(p);
     if (pl.pipelined) {
-      pl.kv_tile = kTcPipelinedKv;
-      pl.smem = size_t(kTcRows + 4 * kTcPipelinedKv) * pl.head_tile * 2;  // Q, K[2], V[2] of 16-bit elements
+      pl.kv_tile = tc_pipelined_kv_tile(pl.head_tile);
+      pl.smem = size_t(kTcRows + 4 * pl.kv_tile) * pl.head_tile * 2;  // Q, K[2], V[2] of 16-bit elements
     } else {
       const int Dp = (p.head_size + 15) / 16 * 16;
       pl.smem = size_t(kTcRows + 2 * kTcKv) * (Dp + 8) * 2;  // Q, K, V tiles of 16-bit elements

@@ -505,7 +505,7 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
 
 // ---- Tensor-core kernel, FlashAttention-2's structure (16-bit caches, 16-byte aligned views) ---
 // For a cache of the query's dtype whose every row is 16-byte aligned (plan.pipelined), per row tile
-// of 64 packed rows (4 warps x 16) and KV tiles of 64 keys:
+// of 64 packed rows (4 warps x 16) and KV tiles of 64 keys (32 at head_size > 128: plan.h):
 //  * K and V tiles go by 16-byte cp.async straight from the paged cache into shared memory, double
 //    buffered: the next tile's K and V (two commit groups) load while this tile computes;
 //  * shared-memory rows of DMAX elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
@@ -546,7 +546,7 @@ __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
 template <typename T, int DMAX>
 __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionParams p, int64_t row_tiles) {
   PAGED_LAUNCH_BOUNDS_CHECK(128);
-  constexpr int BM = kTcRows, BN = kTcPipelinedKv;
+  constexpr int BM = kTcRows, BN = tc_pipelined_kv_tile(DMAX);
   constexpr int NT_O = DMAX / 8, KS_MAX = DMAX / 16, NT_S = BN / 8;
   constexpr int kChunks = DMAX / 8;                   // 16-byte chunks per shared-memory row
   constexpr int kRowsPerPass = kTcThreads / kChunks;  // rows one pass of the block's threads copies
