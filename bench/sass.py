@@ -97,13 +97,13 @@ DEVICES = {
 # Block size and dynamic shared memory of each kernel at a reference shape (head size from the
 # template where it has one, else 128; GQA group = the head tile, 16 for the shared-KV kernel;
 # 16-bit cache unless the template says fp8), transcribed from csrc/kernels/plan.h (plan_decode,
-# plan_prefill, shared_kv_smem, merge_floats) and the launchers in csrc/kernels/*.cuh. Update it
+# plan_prefill, decode_smem, merge_floats) and the launchers in csrc/kernels/*.cuh. Update it
 # with plan.h. Anchors: from their launchers, cited in bench/sass_anchors/*.cu.
 
 
 # csrc/kernels/plan.h's constants the formulas below use (tests/test_sass.py checks them against
 # plan.h, so a plan change fails the suite until this table follows it).
-PLAN = dict(kDecodeThreads=128, kSharedKVChunk=64, kMaxStageBytes=32 * 1024, kMaxGroupTile=8,
+PLAN = dict(kDecodeThreads=128, kDecodeStages=3, kDecodeStageBytes=16 * 1024, kMaxHeadsPerThread=4,
             kPrefillThreads=128, kPrefillKvTile=32, kTcRows=64, kTcKv=32, kTcThreads=128)
 
 
@@ -115,25 +115,28 @@ def _merge_floats(ntg: int, gstride: int, d: int) -> int:  # plan.h merge_floats
     return ntg * gstride * (d + 2)
 
 
-def _decode(args):  # decode_kernel<T, KV, TPT, kGroupTile>: plan_decode's non-shared branch
-    tpt, group = int(args[2]), int(args[3])
+def _decode(args):  # decode_kernel<T, KV, TPT, G>, group = G: plan_decode_shape + decode_smem
+    tpt, g, elem = int(args[2]), int(args[3]), _elem(args[1])
     head, threads = 8 * tpt, PLAN["kDecodeThreads"]  # each lane owns 8 dims (lanes_per_token)
-    return threads, _merge_floats(threads // 32 * (32 // tpt), group, head) * 4, f"head {head}, group {group}"
-
-
-def _decode_shared(args):  # decode_shared_kv_kernel<T, KV>, group 16, head 128: shared_kv_smem
-    pitch, tile = 128 * _elem(args[1]), PLAN["kMaxGroupTile"]
-    chunk = min(PLAN["kSharedKVChunk"], PLAN["kMaxStageBytes"] // (2 * pitch))
-    tiles = 16 // tile
-    threads = tiles * max(1, PLAN["kDecodeThreads"] // 32 // tiles) * 32  # tiles x warps_per_tile warps
-    merge = _merge_floats(threads // 32 * (32 // 16), tile, 128) * 4
-    return threads, max(2 * 2 * chunk * pitch, merge), "head 128, group 16"
+    ntg = threads // tpt  # one head tile: every token group serves it
+    pitch = (head * elem + 15) // 16 * 16
+    rows_per_step = 2 if elem == 4 else 4  # decode_rows_per_step
+    tile = max(1, min(ntg * rows_per_step, PLAN["kDecodeStageBytes"] // (2 * pitch)))
+    stages = PLAN["kDecodeStages"]
+    ring = stages * tile * 2 * 8 + stages * 2 * tile * pitch  # offsets (int64 K, V) + K and V rows
+    return threads, max(ring, _merge_floats(ntg, g, head) * 4), f"head {head}, group {g}, tile {tile}"
 
 
 def _prefill(args):  # prefill_kernel<T, KV>: rows = threads / 8, head 128
     threads, bn, d = PLAN["kPrefillThreads"], PLAN["kPrefillKvTile"], 128
     rows = threads // 8
     return threads, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, "head 128"
+
+
+def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DMAX>: Q, K[2], V[2] 16-bit tiles
+    d = int(args[1])
+    kv = 32 if d > 128 else 64  # plan.h tc_pipelined_kv_tile
+    return PLAN["kTcThreads"], (PLAN["kTcRows"] + 4 * kv) * d * 2, f"head {d}, {kv}-key tiles"
 
 
 def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bit elements, head DMAX
@@ -143,10 +146,10 @@ def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bi
 
 LAUNCH = [
     ("decode_kernel", _decode),
-    ("decode_shared_kv_kernel", _decode_shared),
     ("decode_reduce_kernel", lambda a: (128, 0, "")),
     ("prefill_kernel", _prefill),
     ("prefill_tc_kernel", _prefill_tc),
+    ("prefill_tc_pipelined_kernel", _prefill_tc_pipelined),
     ("merge_kernel", lambda a: (256, 0, "")),
     ("merge_states_kernel", lambda a: (256, 0, "")),
     ("reshape_and_cache_kernel", lambda a: (256, 0, "8+ KV heads x head 128")),

@@ -28,26 +28,32 @@ TARGETS = {
     "decode_kernel": dict(max_regs=128, min_occupancy=0.25, max_instr_per_byte=0.242, min_bandwidth_bound=0.9,
                           max_spill_bytes=0),
     "prefill_tc_kernel": dict(min_hmma_share=0.09, max_spill_bytes=0),
+    "prefill_tc_pipelined_kernel": dict(min_hmma_share=0.09, max_spill_bytes=0),
 }
 
-# Today's kernels (main at 08b9c51, sm_80 and sm_90; `python -m bench.sass --full`), which miss the
-# targets: decode_kernel (108 instantiations per arch) 62-255 registers (group 8: 209-255, group 4:
-# 125-128), occupancy down to 12.5%, 0.063-1.123 loop instructions per byte (fp8 caches on sm_80,
-# converted in software, are the 1.0+), static bandwidth bound on sm_90 13-100% of 4.8 TB/s
-# (bf16 group 4: 49%, group 8: 39%), 8 B of stack in 12 sm_80 <*, fp8, 8|16, 4> and 6 sm_90
-# <*, fp8, 32, 2> instantiations; prefill_tc_kernel HMMA 0.36-1.4% of its instructions.
-# A {group tile: limit} dict holds decode_kernel per head tile (its last template argument); group
-# 8's 255 registers and 12.5% occupancy are the most a kernel can use, so those two cannot fail yet.
+# Today's kernels (the rewrites of issue #23 merged; sm_80 and sm_90, `python -m bench.sass --full`):
+# decode_kernel (81 instantiations per arch, one kernel for every group) 78-128 registers and no
+# spills (the register and spill targets are met), occupancy 25-31% on sm_90 (18.8% on sm_80 at
+# the A100's 164 KB of shared memory), 0.19-1.02 loop instructions per byte (1.0 are fp8 caches
+# on sm_80, converted in software), static bound on sm_90 22-35% of 4.8 TB/s: the report's
+# dependent-load chain (8-14 rounds per step-loop iteration) is what caps it, issue 50-104%,
+# Little 422%+. prefill_tc_kernel HMMA 0.5-2.1%; prefill_tc_pipelined_kernel (cp.async +
+# ldmatrix, FA2's structure) 1.1-1.7%, against FlashInfer's 8.7-8.9% measured by this tool: the
+# target is not met. Both tensor-core kernels keep a 64-128 B stack frame: the local array of the
+# cold add-back of non-finite V rows, which ptxas reports as 0 bytes of spill stores; it is held
+# to that size here, so a real spill on top of it still fails.
 CURRENT = {
-    "decode_kernel": dict(max_regs={1: 80, 2: 110, 4: 128, 8: 255}, min_occupancy={1: 0.375, 2: 0.25, 4: 0.25, 8: 0.125},
-                          max_instr_per_byte=1.2, min_bandwidth_bound=0.12, max_spill_bytes=8),
-    "prefill_tc_kernel": dict(min_hmma_share=0.003, max_spill_bytes=0),
+    "decode_kernel": dict(max_regs=128, min_occupancy=0.1875, max_instr_per_byte=1.05, min_bandwidth_bound=0.2,
+                          max_spill_bytes=0),
+    "prefill_tc_kernel": dict(min_hmma_share=0.004, max_spill_bytes=64),
+    "prefill_tc_pipelined_kernel": dict(min_hmma_share=0.01, max_spill_bytes=128),
 }
 
 # Which row each family is held to. Families not named here must not spill at all.
 ENFORCED = {
     "decode_kernel": CURRENT["decode_kernel"],
     "prefill_tc_kernel": CURRENT["prefill_tc_kernel"],
+    "prefill_tc_pipelined_kernel": CURRENT["prefill_tc_pipelined_kernel"],
 }
 
 
@@ -76,7 +82,7 @@ def test_report_covers_the_archs_and_every_launch(rows):
     unknown = sorted({r["family"] for r in rows if "threads" not in r})
     assert not unknown, f"kernels without a launch configuration in bench/sass.py's LAUNCH: {unknown}"
     for r in rows:
-        if r["family"].startswith(("decode_kernel", "decode_shared_kv", "prefill")):
+        if r["family"].startswith(("decode_kernel", "prefill")):
             assert "loop" in r, f"no KV loop found in {r['arch']} {r['name']}"
 
 
