@@ -173,7 +173,9 @@ def test_bf16_softmax_weights_are_rounded_like_the_gpu():
     v = vc[:, :, 0].reshape(-1, d)[:n].double()
     # fp32 scores and exp2 by numpy, the interpreter's own arithmetic: torch's and numpy's fp32
     # exp2 differ in the last bit on some builds (numpy 2.4 here), enough to flip a bf16 rounding.
-    s = (q[0].float().numpy() @ k.T.numpy()) * np.float32(d ** -0.5 * 1.4426950408889634)
+    # In the kernel's order: q pre-multiplied by scale * log2(e), then the dot. The dot first and the
+    # scale after gives other fp32 scores, and on this input one bf16(p_j) rounds the other way.
+    s = (q[0].float() * np.float32(d ** -0.5 * 1.4426950408889634)).numpy() @ k.T.numpy()
     p = torch.from_numpy(np.exp2(s - s.max()))  # fp32, as in the kernel
     gpu = (p.to(torch.bfloat16).double() @ v) / p.double().sum()
     unrounded = (p.double() @ v) / p.double().sum()
