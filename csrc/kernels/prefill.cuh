@@ -294,6 +294,104 @@ __device__ __forceinline__ void add_back_nonfinite_v(float (&o)[NT_O][4], const 
   }
 }
 
+// ---- stages shared by the two tensor-core kernels (one lane: packed rows r0 and r0 + 8 of its
+// warp's 16, columns 2t, 2t + 1 of each 8-wide n-tile: mma.cuh's C layout) --------------------------
+
+// This lane's two rows: position, visible keys (none for padding rows), ALiBi slope. query_of /
+// head_of: packed row -> query index in the sequence / head in the KV head's group; head0: the KV
+// head's first query head.
+template <typename QueryOf, typename HeadOf>
+__device__ __forceinline__ void lane_rows(const AttentionParams& p, int r0, int nrows, int seq_len, int q_len,
+                                          int head0, const QueryOf& query_of, const HeadOf& head_of, int (&pos)[2],
+                                          KeyRange (&keys)[2], float (&slope)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    pos[h] = seq_len - q_len + query_of(r);
+    keys[h] = r < nrows ? visible_keys(p, pos[h], seq_len) : KeyRange{0, 0};
+    slope[h] = r < nrows ? alibi_log2(p, head0 + head_of(r)) : 0.f;
+  }
+}
+
+// update_softmax's second half: the quad's row maxima mx of this tile's (modified, log2-domain)
+// scores join the running max m, s becomes P = exp2(s - m) (a hidden -inf score 0, NaN stays NaN),
+// the running sums l take the tile's row sums; alpha: the factor the accumulators are rescaled by.
+template <int NT_S>
+__device__ __forceinline__ void update_row_states(float (&s)[NT_S][4], float (&mx)[2], float (&m)[2],
+                                                  float (&l)[2], float (&alpha)[2]) {
+  float rs[2] = {0.f, 0.f};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
+    mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+    const float mn = fmaxf(m[h], mx[h]);
+    alpha[h] = mn == -INFINITY ? 1.f : exp2f(m[h] - mn);  // -inf - -inf would be NaN
+    m[h] = mn;
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT_S; ++nt) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float pr = s[nt][i] == -INFINITY ? 0.f : exp2f(s[nt][i] - m[i / 2]);  // NaN stays NaN
+      s[nt][i] = pr;
+      rs[i / 2] += pr;
+    }
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    rs[h] += __shfl_xor_sync(kFullMask, rs[h], 1);
+    rs[h] += __shfl_xor_sync(kFullMask, rs[h], 2);
+    l[h] = l[h] * alpha[h] + rs[h];
+  }
+}
+
+// compute_pv's first step: the accumulators of each row rescaled to the new running max.
+template <int NT_O>
+__device__ __forceinline__ void rescale_o(float (&o)[NT_O][4], const float (&alpha)[2]) {
+#pragma unroll
+  for (int nt = 0; nt < NT_O; ++nt) {
+    o[nt][0] *= alpha[0];
+    o[nt][1] *= alpha[0];
+    o[nt][2] *= alpha[1];
+    o[nt][3] *= alpha[1];
+  }
+}
+
+// P's A fragment for keys [16 kk, 16 kk + 16): the C layout of two score n-tiles is the A layout of
+// one 16 x 16 k-step, so P never leaves registers.
+template <typename T, int NT_S>
+__device__ __forceinline__ void p_frag(uint32_t (&a)[4], const float (&s)[NT_S][4], int kk) {
+  a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
+
+// store: the lane's two rows normalised (finish_row: sink, lse) and written.
+template <typename T, int NT_O, typename QueryOf, typename HeadOf>
+__device__ __forceinline__ void store_rows(const AttentionParams& p, const float (&o)[NT_O][4], const float (&m)[2],
+                                           const float (&l)[2], int r0, int nrows, int q0, int head0, int D,
+                                           float vscale, const QueryOf& query_of, const HeadOf& head_of) {
+  const int t = threadIdx.x % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = r0 + 8 * h;
+    if (r < nrows) {
+      const int qi = query_of(r), gg = head_of(r);
+      // The quad's 4 lanes hold the same m and l; lane t = 0 writes lse.
+      const float inv = finish_row(p, m[h], l[h], q0 + qi, head0 + gg, t == 0) * vscale;
+      T* out = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (head0 + gg) * p.o_stride_head;
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt) {
+        if (nt * 8 < D) {
+          out[nt * 8 + 2 * t] = from_float<T>(o[nt][2 * h] * inv);
+          out[nt * 8 + 2 * t + 1] = from_float<T>(o[nt][2 * h + 1] * inv);
+        }
+      }
+    }
+  }
+}
+
 template <typename T, typename KV, int DMAX>
 __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int64_t row_tiles, bool k_aligned,
                                                           bool v_aligned) {
@@ -347,17 +445,12 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
       Qs[r * ld + d] = x;
     }
 
-    // This lane's two rows: position, visible keys (none for padding rows), ALiBi slope.
+    auto query_of = [&](int r) { return int((row0 + r) / group); };
+    auto head_of = [&](int r) { return int((row0 + r) % group); };
     int pos[2];
     KeyRange keys[2];
     float slope[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + g + 8 * h;
-      pos[h] = seq_len - q_len + int((row0 + r) / group);
-      keys[h] = r < nrows ? visible_keys(p, pos[h], seq_len) : KeyRange{0, 0};
-      slope[h] = r < nrows ? alibi_log2(p, kvh * group + int((row0 + r) % group)) : 0.f;
-    }
+    lane_rows(p, warp * 16 + g, nrows, seq_len, q_len, kvh * group, query_of, head_of, pos, keys, slope);
     float o[NT_O][4];
 #pragma unroll
     for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
@@ -429,46 +522,15 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
           mx[i / 2] = fmaxf(mx[i / 2], v);
         }
       }
-      float alpha[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
-        const float mn = fmaxf(m[h], mx[h]);
-        alpha[h] = mn == -INFINITY ? 1.f : exp2f(m[h] - mn);  // -inf - -inf would be NaN
-        m[h] = mn;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float pr = s[nt][i] == -INFINITY ? 0.f : exp2f(s[nt][i] - m[i / 2]);  // NaN stays NaN
-          s[nt][i] = pr;
-          rs[i / 2] += pr;
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        rs[h] += __shfl_xor_sync(kFullMask, rs[h], 1);
-        rs[h] += __shfl_xor_sync(kFullMask, rs[h], 2);
-        l[h] = l[h] * alpha[h] + rs[h];
-      }
+      float alpha[2];
+      update_row_states(s, mx, m, l, alpha);
 
       // compute_pv
-#pragma unroll
-      for (int nt = 0; nt < NT_O; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
-      }
+      rescale_o(o, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[4];
-        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        p_frag<T>(a, s, kk);
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
           if (nt * 8 < D) {
@@ -482,24 +544,7 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), D, keys, seen_by_all);
     }
 
-    // store
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + g + 8 * h;
-      if (r < nrows) {
-        const int qi = int((row0 + r) / group), gg = int((row0 + r) % group);
-        // The quad's 4 lanes hold the same m and l; lane t = 0 writes lse.
-        const float inv = finish_row(p, m[h], l[h], q0 + qi, kvh * group + gg, t == 0) * vscale;
-        T* out = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (kvh * group + gg) * p.o_stride_head;
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-          if (nt * 8 < D) {
-            out[nt * 8 + 2 * t] = from_float<T>(o[nt][2 * h] * inv);
-            out[nt * 8 + 2 * t + 1] = from_float<T>(o[nt][2 * h + 1] * inv);
-          }
-        }
-      }
-    }
+    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, D, vscale, query_of, head_of);
   }
 }
 
@@ -664,17 +709,10 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         if (ks * 16 < Dp) load_q_frag(qf[ks], ks);
     }
 
-    // This lane's two rows: position, visible keys (none for padding rows), ALiBi slope.
     int pos[2];
     KeyRange keys[2];
     float slope[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + g + 8 * h;
-      pos[h] = seq_len - q_len + query_of(r);
-      keys[h] = r < nrows ? visible_keys(p, pos[h], seq_len) : KeyRange{0, 0};
-      slope[h] = r < nrows ? alibi_log2(p, kvh * group + head_of(r)) : 0.f;
-    }
+    lane_rows(p, warp * 16 + g, nrows, seq_len, q_len, kvh * group, query_of, head_of, pos, keys, slope);
     float o[NT_O][4];
 #pragma unroll
     for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
@@ -738,30 +776,8 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
           }
         }
       }
-      float alpha[2], rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
-        const float mn = fmaxf(m[h], mx[h]);
-        alpha[h] = mn == -INFINITY ? 1.f : exp2f(m[h] - mn);  // -inf - -inf would be NaN
-        m[h] = mn;
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float pr = s[nt][i] == -INFINITY ? 0.f : exp2f(s[nt][i] - m[i / 2]);  // NaN stays NaN
-          s[nt][i] = pr;
-          rs[i / 2] += pr;
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        rs[h] += __shfl_xor_sync(kFullMask, rs[h], 1);
-        rs[h] += __shfl_xor_sync(kFullMask, rs[h], 2);
-        l[h] = l[h] * alpha[h] + rs[h];
-      }
+      float alpha[2];
+      update_row_states(s, mx, m, l, alpha);
 
       // This tile's V: complete once only the next tile's two groups may be in flight.
       if (has_next) cp_async_wait<2>();
@@ -802,20 +818,11 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 
       // compute_pv: B fragments of two n-tiles per ldmatrix x4 .trans: matrix l / 8 = (keys 0-7 |
       // 8-15) x (dims 0-7 | 8-15), in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1].
-#pragma unroll
-      for (int nt = 0; nt < NT_O; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
-      }
+      rescale_o(o, alpha);
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[4];
-        a[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-        a[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-        a[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-        a[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+        p_frag<T>(a, s, kk);
 #pragma unroll
         for (int np = 0; np < NT_O / 2; ++np) {
           if (np * 16 < D) {
@@ -831,24 +838,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), D, keys, seen_by_all);
     }
 
-    // store
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = warp * 16 + g + 8 * h;
-      if (r < nrows) {
-        const int qi = query_of(r), gg = head_of(r);
-        // The quad's 4 lanes hold the same m and l; lane t = 0 writes lse.
-        const float inv = finish_row(p, m[h], l[h], q0 + qi, kvh * group + gg, t == 0) * vscale;
-        T* out = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (kvh * group + gg) * p.o_stride_head;
-#pragma unroll
-        for (int nt = 0; nt < NT_O; ++nt) {
-          if (nt * 8 < D) {
-            out[nt * 8 + 2 * t] = from_float<T>(o[nt][2 * h] * inv);
-            out[nt * 8 + 2 * t + 1] = from_float<T>(o[nt][2 * h + 1] * inv);
-          }
-        }
-      }
-    }
+    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, D, vscale, query_of, head_of);
   }
 }
 
