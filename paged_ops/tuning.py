@@ -376,6 +376,17 @@ def _write_entry(path: Path, key: str, entry: dict) -> None:
     _replace(path, json.dumps({"format": FORMAT, "entries": entries}, indent=1, sort_keys=True), ".json")
 
 
+def _remember(store, entry: str, record: dict) -> None:
+    """A tuned record into ``store``'s entries and tuning.json; on a read-only home it holds for this
+    process only (one warning)."""
+    with _lock:
+        store._entries()[entry] = record
+        try:
+            _write_entry(cache_path(), entry, record)
+        except (OSError, ValueError) as e:
+            _warn_once(f"paged_ops tuning cache {cache_path()} not writable ({e})")
+
+
 def _replace(path: Path, text: str, suffix: str) -> None:
     """Write ``text`` to a temporary file next to ``path``, then rename it over ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=suffix)
@@ -475,12 +486,7 @@ class Tuner:
                 record = {"backend": self.backend, "op": self.op, "version": code_version(self.backend),
                           "device": device, "key": _stored_key(self.backend, key), "config": config,
                           "ms": None if ms is None else round(ms, 6)}
-                with _lock:
-                    self._entries()[entry] = record
-                    try:
-                        _write_entry(cache_path(), entry, record)
-                    except (OSError, ValueError) as e:  # read-only home: keep the choice for this process
-                        _warn_once(f"paged_ops tuning cache {cache_path()} not writable ({e})")
+                _remember(self, entry, record)
             else:
                 config, source = dict(default), "default"
             with _lock:
@@ -748,12 +754,7 @@ def tune_backend(op: str, *args, timer: Callable[[Callable[[], object]], float] 
     record = {"backend": CHOICE, "op": op, "version": version, "device": device, "key": _stored_key(CHOICE, key),
               "config": {"backend": winner}, "ms": times[winner], "times_ms": times,
               "rounds": min(len(samples[c]) for c in ran)}
-    with _lock:
-        store._entries()[identity] = record
-        try:
-            _write_entry(cache_path(), identity, record)
-        except (OSError, ValueError) as e:  # read-only home: the choice holds for this process
-            _warn_once(f"paged_ops tuning cache {cache_path()} not writable ({e})")
+    _remember(store, identity, record)
     _C._set_backend_choices(list(key), [winner], False)
     return {"backend": winner, "times_ms": times, "source": "tuned"}
 
