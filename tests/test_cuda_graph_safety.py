@@ -404,6 +404,15 @@ def test_forced_content_checks_copy_from_the_device():
 # host and copied it to the device on every call (a pageable copy: a host sync, illegal in a capture);
 # it is now built once per set of caches.
 
+def copy_blocks_matches_reference(backend: str, kcs, vcs, mapping, what: str) -> None:
+    """backend's copy_blocks on the caches equals the reference's, bit for bit."""
+    want_k, want_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
+    reference.copy_blocks(want_k, want_v, mapping)
+    paged_ops.backend(backend).copy_blocks(kcs, vcs, mapping)
+    for got, want in zip(kcs + vcs, want_k + want_v):
+        assert_bits_equal(got, want, what)
+
+
 def test_triton_copy_blocks_builds_its_address_table_once():
     if "triton" not in paged_ops.available_backends():
         pytest.skip("the triton backend is not available")
@@ -413,11 +422,7 @@ def test_triton_copy_blocks_builds_its_address_table_once():
     kcs, vcs = random_caches(2, F16, g), random_caches(2, F16, g)
     triton_cache._address_table.cache_clear()
     for step, mapping in enumerate((torch.tensor([[0, 5], [2, 6]]), torch.tensor([[1, 7], [3, 4]]))):
-        want_k, want_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
-        reference.copy_blocks(want_k, want_v, mapping)
-        paged_ops.backend("triton").copy_blocks(kcs, vcs, mapping)
-        for got, want in zip(kcs + vcs, want_k + want_v):
-            assert_bits_equal(got, want, f"call {step}")
+        copy_blocks_matches_reference("triton", kcs, vcs, mapping, f"call {step}")
         info = triton_cache._address_table.cache_info()
         assert (info.misses, info.hits) == (1, step), f"call {step}: the table was built again ({info})"
 
@@ -431,23 +436,14 @@ def test_cuda_copy_blocks_uploads_descriptors_once_per_set_of_caches():
     kcs, vcs = random_caches(2, F16, g), random_caches(2, F16, g)
     before = ops.copy_blocks_descriptor_tables()
     for step, mapping in enumerate((torch.tensor([[0, 5], [2, 6]]), torch.tensor([[1, 7], [3, 4]]))):
-        want_k, want_v = [c.clone() for c in kcs], [c.clone() for c in vcs]
-        reference.copy_blocks(want_k, want_v, mapping)
-        paged_ops.backend("cuda_emu").copy_blocks(kcs, vcs, mapping)
-        for got, want in zip(kcs + vcs, want_k + want_v):
-            assert_bits_equal(got, want, f"call {step}")
+        copy_blocks_matches_reference("cuda_emu", kcs, vcs, mapping, f"call {step}")
         if step == 0:
             # + 0 only if an earlier test had these very caches (same addresses and shapes)
             first = ops.copy_blocks_descriptor_tables()
             assert first - before in (0, 1)
         assert ops.copy_blocks_descriptor_tables() == first, f"call {step}: the descriptors were uploaded again"
     other_k, other_v = random_caches(2, F16, g), random_caches(2, F16, g)
-    want_k, want_v = [c.clone() for c in other_k], [c.clone() for c in other_v]
-    mapping = torch.tensor([[4, 1]])
-    reference.copy_blocks(want_k, want_v, mapping)
-    paged_ops.backend("cuda_emu").copy_blocks(other_k, other_v, mapping)
-    for got, want in zip(other_k + other_v, want_k + want_v):
-        assert_bits_equal(got, want, "another set of caches")
+    copy_blocks_matches_reference("cuda_emu", other_k, other_v, torch.tensor([[4, 1]]), "another set of caches")
     assert ops.copy_blocks_descriptor_tables() == first + 1
 
 
