@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "attention_variants.h"
+#include "inference_only.h"
 #include "kernels/launch.h"
 #include "kernels/params.h"
 #include "kernels/plan.h"
@@ -521,9 +522,10 @@ struct Ops {
 
 }  // namespace paged::registration
 
-#define PAGED_OPS_REGISTER_BACKEND(ns, key, Backend)                    \
-  TORCH_LIBRARY(ns, m) { PAGED_OPS_DEFINE_SCHEMAS(m); }                 \
-  TORCH_LIBRARY_IMPL(ns, key, m) { ::paged::registration::Ops<Backend>::impl(m); }
+#define PAGED_OPS_REGISTER_BACKEND(ns, key, Backend)                                    \
+  TORCH_LIBRARY(ns, m) { PAGED_OPS_DEFINE_SCHEMAS(m); }                                 \
+  TORCH_LIBRARY_IMPL(ns, key, m) { ::paged::registration::Ops<Backend>::impl(m); }      \
+  TORCH_LIBRARY_IMPL(ns, Autograd, m) { PAGED_OPS_IMPL_INFERENCE_ONLY(m); }
 
 // config = [threads, partition_size, kv_tile, force_split, tensor_cores] ([] = the defaults).
 #define PAGED_OPS_REGISTER_TEST_OPS(ns, key, Backend)                                \

@@ -6,6 +6,7 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include "inference_only.h"
 #include "ops.h"
 #include "public/select.h"
 
@@ -14,6 +15,7 @@ TORCH_LIBRARY(paged, m) { PAGED_OPS_DEFINE_SCHEMAS(m); }
 // The triton backend's schemas; its CPU and CUDA kernels are Python (paged_ops/backends.py
 // registers them with torch.library and imports paged_ops.triton on the first call).
 TORCH_LIBRARY(paged_triton, m) { PAGED_OPS_DEFINE_SCHEMAS(m); }
+TORCH_LIBRARY_IMPL(paged_triton, Autograd, m) { PAGED_OPS_IMPL_INFERENCE_ONLY(m); }
 
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, paged::api::python_methods()};

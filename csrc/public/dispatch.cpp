@@ -9,6 +9,7 @@
 #include <string>
 
 #include "attention_variants.h"
+#include "inference_only.h"
 #include "public/select.h"
 #include "public/validate.h"
 
@@ -171,3 +172,5 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
 
 TORCH_LIBRARY_IMPL(paged, CPU, m) { PAGED_OPS_IMPL_PUBLIC(m); }
 TORCH_LIBRARY_IMPL(paged, CUDA, m) { PAGED_OPS_IMPL_PUBLIC(m); }
+// Inference-only: refuse inputs that require grad (csrc/inference_only.h).
+TORCH_LIBRARY_IMPL(paged, Autograd, m) { PAGED_OPS_IMPL_INFERENCE_ONLY(m); }
