@@ -99,6 +99,11 @@ def swap_blocks(src, dst, block_mapping) -> None:
     torch.ops.paged.swap_blocks(src, dst, block_mapping)
 
 
+# help(paged_ops.X) and help(torch.ops.paged.X): the op's reference text, from its specification.
+from . import _docs  # noqa: E402
+
+_docs.document({op: globals()[op] for op in OPS})
+
 __all__ = ["__version__", "OPS", "available_backends", "backend", "batch_invariant", "selected_backend", "use_backend",
            "reference",
            *OPS]
