@@ -8,7 +8,7 @@ export CUDA_HOME
 export CUDACXX ?= $(if $(wildcard $(CUDA_HOME)/bin/nvcc),$(CUDA_HOME)/bin/nvcc,)
 TORCH_VERSION ?= 2.14.1
 
-.PHONY: all venv build demo test test-oldest test-cpu-torch bench device-check clean
+.PHONY: all venv build build-demo demo test test-oldest test-cpu-torch bench device-check clean
 
 all: build
 
@@ -23,10 +23,27 @@ $(VENV)/.deps: pyproject.toml
 venv: $(VENV)/.deps
 
 # Several shells (or agents) may build at once: the lock keeps them from racing in build/.
+# tools/build_progress.py prints a line per stage (pip -q would say nothing for minutes) and keeps
+# pip's whole output in build/build.log.
+PIP_INSTALL_E = flock .build.lock $(PY) tools/build_progress.py build/build.log -- \
+    $(PY) -m pip install -v --no-build-isolation --no-deps -e .
 build: venv
-	flock .build.lock $(PY) -m pip install -q --no-build-isolation --no-deps -e .
+	$(PIP_INSTALL_E)
 
-demo: build
+# The demo runs on the CPU: with no GPU visible (nvidia-smi lists none) and PAGED_OPS_CUDA unset,
+# it builds without the CUDA backend, minutes quicker. `make test` (and CI) build it as before,
+# for every architecture, in the same build folder.
+GPU_VISIBLE := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+build-demo: venv
+ifeq ($(GPU_VISIBLE)$(PAGED_OPS_CUDA),)
+	@echo "make demo: no GPU visible, so the CUDA backend is not built (the demo runs on the CPU)." \
+	    "To build it anyway: make demo PAGED_OPS_CUDA=on"
+	PAGED_OPS_CUDA=off $(PIP_INSTALL_E)
+else
+	$(PIP_INSTALL_E)
+endif
+
+demo: build-demo
 	$(PY) -m paged_ops.demo
 	$(PY) -m bench.decode_table
 	$(PY) -m engine demo
