@@ -1,6 +1,7 @@
 """EngineConfig: every engine argument, validated once, in one place."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -15,10 +16,31 @@ KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, 
 MODEL_IMPLS = ("auto", "native", "transformers")
 PREEMPTION_MODES = ("recompute", "swap")
 GiB = 1 << 30
+# vLLM engine arguments that LLM(...) takes at vLLM's default only, where they change nothing here
+# (one device, no quantization, no LoRA, a local directory and no hub revision)
+VLLM_DEFAULT_ONLY = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "quantization": None,
+                     "revision": None, "tokenizer_revision": None, "tokenizer_mode": "auto",
+                     "enable_lora": False}
 
 
 def _is_int(x) -> bool:
     return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def check_kwargs(owner: str, kwargs: dict, supported, default_only: dict | None = None) -> dict:
+    """kwargs without the vLLM arguments that are at their default_only value; ValueError naming
+    the first other argument that is not in supported (a vLLM habit that would otherwise be
+    a dataclass' TypeError)."""
+    default_only = default_only or {}
+    for name, value in kwargs.items():
+        if name in supported:
+            continue
+        if name in default_only and value == default_only[name]:
+            continue
+        only = f" (only {name}={default_only[name]!r})" if name in default_only else ""
+        raise ValueError(f"{name}={value!r} is not supported by paged_ops' engine{only}; {owner} takes: "
+                         f"{', '.join(sorted(supported))}")
+    return {k: v for k, v in kwargs.items() if k in supported}
 
 
 @dataclass
@@ -26,7 +48,8 @@ class EngineConfig:
     """Arguments of ``LLM`` / ``LLMEngine`` (vLLM's names). The KV pool is num_kv_blocks blocks
     if given, else kv_cache_memory_bytes (CPU, default 1 GiB) or gpu_memory_utilization of the
     device (CUDA). The swap pool (preemption_mode="swap" only) is num_cpu_blocks blocks if given,
-    else swap_space GiB, else swap_space_bytes."""
+    else swap_space GiB, else swap_space_bytes. ``from_kwargs`` is the constructor LLM uses: any
+    other keyword is a ValueError naming it."""
     model: str
     tokenizer: str | None = None          # directory of the tokenizer; default: the model's
     dtype: str = "float32"                # "auto": the checkpoint's, float32 -> bfloat16 (vLLM)
@@ -45,8 +68,17 @@ class EngineConfig:
     swap_space: float | None = None       # GiB, as vLLM
     swap_space_bytes: int = GiB
     num_cpu_blocks: int | None = None
-    seed: int = 0
+    seed: int | None = 0                  # the engine's sampling generator; None: unseeded (random)
     model_impl: str = "auto"
+    enforce_eager: bool = False           # accepted, no effect: the engine has no CUDA graphs, always eager
+    trust_remote_code: bool = False       # the checkpoint's own modeling code (local files only)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> EngineConfig:
+        """EngineConfig(model, **kwargs) for LLM(...): the vLLM arguments of VLLM_DEFAULT_ONLY are
+        accepted at their default, any other unknown keyword is a ValueError naming it."""
+        fields = {f.name for f in dataclasses.fields(cls)} - {"model"}
+        return cls(model, **check_kwargs("LLM", kwargs, fields, VLLM_DEFAULT_ONLY))
 
     def __post_init__(self):
         if not isinstance(self.model, (str, os.PathLike)) or not os.path.isdir(self.model):
@@ -71,7 +103,10 @@ class EngineConfig:
         for name in ("kv_cache_memory_bytes", "num_cpu_blocks"):
             self._check_int(name, minimum=0, optional=True)
         self._check_int("swap_space_bytes", minimum=0)
-        self._check_int("seed", minimum=-2 ** 63)
+        self._check_int("seed", minimum=-2 ** 63, optional=True)
+        for name in ("enforce_eager", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.gpu_memory_utilization, Real) and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if self.swap_space is not None:

@@ -46,11 +46,13 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig):
         self.device, self.block_size = config.torch_device, config.block_size
-        self.config = AutoConfig.from_pretrained(config.model)
+        # trust_remote_code: the checkpoint directory's own modeling code; never the hub
+        load = dict(trust_remote_code=config.trust_remote_code, local_files_only=True)
+        self.config = AutoConfig.from_pretrained(config.model, **load)
         self.dtype = config.resolve_dtype(self.config)
         check_layer_types(self.config)
         hf_model = AutoModelForCausalLM.from_pretrained(
-            config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION).to(self.device).eval()
+            config.model, dtype=self.dtype, attn_implementation=ATTN_IMPLEMENTATION, **load).to(self.device).eval()
         self.generation_config = hf_model.generation_config
         native = NATIVE.get(type(hf_model).__name__)
         if config.model_impl == "native" and native is None:
