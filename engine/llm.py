@@ -15,12 +15,18 @@ from .sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# what get_default_sampling_params takes from the checkpoint's generation_config (vLLM's list)
+GENERATION_CONFIG_DEFAULTS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
 class LLM:
     """A model plus a paged KV cache, scheduler and block manager. Arguments: EngineConfig's
-    (vLLM's names; see engine/README.md). ``self.llm_engine`` is the step API underneath."""
+    (vLLM's names; see engine/README.md); a vLLM argument this engine does not have is a
+    ValueError naming it. ``self.llm_engine`` is the step API underneath."""
 
     def __init__(self, model: str, **kwargs):
-        self.llm_engine = LLMEngine(EngineConfig(model, **kwargs))
+        self.llm_engine = LLMEngine(EngineConfig.from_kwargs(model, **kwargs))
         self._request_ids = count()
         self.last_stats: RunStats | None = None
 
@@ -34,12 +40,23 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate uses without sampling_params (vLLM's rule): SamplingParams() with the
+        values the checkpoint's generation_config sets among temperature, top_k, top_p, min_p,
+        repetition_penalty and max_new_tokens (as max_tokens). A new object on every call."""
+        gen = self.runner.generation_config
+        diff = gen.to_diff_dict() if gen is not None else {}
+        return SamplingParams(**{ours: diff[theirs] for theirs, ours in GENERATION_CONFIG_DEFAULTS.items()
+                                 if diff.get(theirs) is not None})
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt (string, token-id list, {"prompt": ...} or
         {"prompt_token_ids": [...]}); results come back in input order. A prompt the engine cannot
         run gets a RequestOutput with ``error`` (a ValueError) and the others go on. Stats of the
-        call are in ``self.last_stats``."""
+        call are in ``self.last_stats``. Without sampling_params: get_default_sampling_params()."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         if isinstance(prompts, (str, dict)) or (prompts and not isinstance(prompts[0], (str, dict, list, tuple))):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)

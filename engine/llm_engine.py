@@ -14,7 +14,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, find_stop_string
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, Logprob, RequestOutput, RunStats
-from .sampler import apply_penalties, greedy, sample, top_logprobs
+from .sampler import TokenConstraints, apply_penalties, greedy, sample, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -29,18 +29,19 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: ValueError | None = None   # set when the request failed inside a step
+    constraints: TokenConstraints | None = None  # logit_bias, allowed_token_ids, bad_words
 
     @property
     def finished(self) -> bool:
         return len(self.seqs) == self.params.n and all(s.is_finished for s in self.seqs)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     """The tokenizer saved in path, or None when there is none (token-id prompts only)."""
     if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
 
 
 class LLMEngine:
@@ -53,7 +54,7 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, config.preemption_mode)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
         cfg = self.runner.config
         self.eos_token_ids = self._eos_ids(cfg) | self._eos_ids(self.runner.generation_config)
         # a sliding window is no limit: the ops take it as window_left (attention.window_left)
@@ -64,13 +65,17 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_limit
         self.max_pool_len = self.runner.num_kv_blocks * config.block_size
         self.device = self.runner.device
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.generator = torch.Generator(self.device)
+        if config.seed is None:  # vLLM's seed=None: a different run each time
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(config.seed)
         self.requests: dict[str, Request] = {}
         self.stats = RunStats()   # running totals; LLM.generate reports differences
 
     @classmethod
     def from_engine_args(cls, model: str, **kwargs) -> LLMEngine:
-        return cls(EngineConfig(model, **kwargs))
+        return cls(EngineConfig.from_kwargs(model, **kwargs))
 
     @staticmethod
     def _eos_ids(cfg) -> set[int]:
@@ -102,7 +107,11 @@ class LLMEngine:
         if not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum length {self.max_model_len}")
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the maximum length {self.max_model_len} "
+                             f"(max_model_len)")
+        if len(ids) == self.max_model_len:  # vLLM's rule: room for at least one output token
+            raise ValueError(f"prompt of {len(ids)} tokens plus at least one output token is longer than the "
+                             f"maximum length {self.max_model_len} (max_model_len)")
         if len(ids) > self.max_pool_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit in the whole KV pool "
                              f"({self.max_pool_len} slots)")
@@ -117,9 +126,10 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = dataclasses.replace(params or SamplingParams())  # validated again, and our own copy
         self._check_params(params)
+        constraints = TokenConstraints.build(params, self.runner.config.vocab_size, self.tokenizer, self.device)
         text, ids = self._prompt_ids(prompt)
         req = Request(request_id, text, ids, params, prompt_logprobs=[None] if params.prompt_logprobs is not None
-                      else None)
+                      else None, constraints=constraints)
         seq = self._new_seq(req, ids, 0)
         self.requests[request_id] = req  # nothing above touched the engine's state
         self.scheduler.add(seq)
@@ -129,7 +139,7 @@ class LLMEngine:
         """What SamplingParams cannot check alone: n against max_num_seqs (the n samples run at
         once, forked after the prompt, so a larger n could never be scheduled) and its token ids
         against the model's vocabulary (stop_token_ids out of it failed mid-generation once
-        min_tokens banned them)."""
+        min_tokens banned them; logit_bias, allowed_token_ids and bad_words in TokenConstraints.build)."""
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} samples can never run at once with max_num_seqs="
                              f"{self.scheduler.max_num_seqs}: n must be <= max_num_seqs")
@@ -140,6 +150,7 @@ class LLMEngine:
     def _new_seq(self, req: Request, ids: list[int], index: int, parent: Sequence | None = None) -> Sequence:
         p = req.params
         seq = parent.fork(index) if parent else Sequence(ids, p, self.config.block_size, req.request_id)
+        seq.token_constraints = req.constraints
         if not p.greedy:
             seq.generator = (torch.Generator(self.device).manual_seed(p.seed + index) if p.seed is not None
                              else self.generator)
@@ -232,21 +243,25 @@ class LLMEngine:
 
     def _needs_processing(self, seq: Sequence) -> bool:
         p = seq.sampling_params
-        return p.has_penalties or seq.num_completion_tokens < p.min_tokens
+        return p.has_penalties or seq.num_completion_tokens < p.min_tokens or seq.token_constraints is not None
 
     def _append(self, seq: Sequence, raw: torch.Tensor, greedy_id: int | None) -> None:
         """Choose seq's next token from its raw logits row [vocab], record logprobs, detokenize,
         check the stop rules."""
-        p = seq.sampling_params
+        p, c = seq.sampling_params, seq.token_constraints
         token = greedy_id
         if token is None:
-            logits = raw
+            # vLLM's order; the bans (-inf) commute with the rest, so they all come after the penalties
+            logits = raw if c is None else c.add_bias(raw)
             if p.has_penalties:
                 logits = apply_penalties(logits, seq.token_ids[:seq.num_prompt_tokens], seq.completion_token_ids, p)
+            banned = set(c.banned_words(seq.completion_token_ids)) if c is not None and c.bad_words else set()
             if seq.num_completion_tokens < p.min_tokens:  # no stop token may end it yet
-                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-                if banned:
-                    logits = logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
+                banned |= set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            if c is not None and c.disallowed is not None:
+                logits = logits.masked_fill(c.disallowed, float("-inf"))
+            if banned:
+                logits = logits.index_fill(0, torch.tensor(sorted(banned), device=logits.device), float("-inf"))
             token = sample(logits, p, seq.generator)
         if seq.logprobs is not None:
             entries = top_logprobs(torch.log_softmax(raw, -1), token, p.logprobs)

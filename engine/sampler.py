@@ -1,6 +1,9 @@
-"""Token choice for one row of logits: penalties and min_tokens, then greedy or temperature,
-min-p, top-k and top-p sampling (vLLM's order); plus the logprobs of the raw distribution."""
+"""Token choice for one row of logits: logit_bias, penalties, then the bans (allowed_token_ids,
+bad_words, min_tokens), then greedy or temperature, min-p, top-k and top-p sampling (vLLM's
+order); plus the logprobs of the raw distribution."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +31,70 @@ def apply_penalties(logits: torch.Tensor, prompt_ids: list[int], output_ids: lis
         logits = torch.where(seen.to(logits.device), penalized, logits)
     logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits)
     return logits.clamp(-_FLOAT64_MAX, _FLOAT64_MAX)
+
+
+@dataclass
+class TokenConstraints:
+    """A request's logit_bias, allowed_token_ids and bad_words as the sampler uses them, built once
+    on admission (``build``): bias ids and values, the mask of the tokens outside
+    allowed_token_ids, and the bad words' token ids."""
+    bias_ids: torch.Tensor | None = None       # [k] int64
+    bias_values: torch.Tensor | None = None    # [k] float32
+    disallowed: torch.Tensor | None = None     # [vocab] bool: True outside allowed_token_ids
+    bad_words: list[list[int]] = field(default_factory=list)
+
+    @classmethod
+    def build(cls, params: SamplingParams, vocab_size: int, tokenizer, device) -> TokenConstraints | None:
+        """None when params set none of them; ValueError (naming the argument) for a token id
+        outside [0, vocab_size) or bad_words without a tokenizer."""
+        if not params.has_token_constraints:
+            return None
+        c = cls()
+        check = lambda name, ids: _check_vocab(name, ids, vocab_size)
+        if params.logit_bias:
+            check("logit_bias", params.logit_bias)
+            c.bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.int64, device=device)
+            c.bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+        if params.allowed_token_ids is not None:
+            check("allowed_token_ids", params.allowed_token_ids)
+            c.disallowed = torch.ones(vocab_size, dtype=torch.bool, device=device)
+            c.disallowed[torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=device)] = False
+        if params.bad_words:
+            if tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer (in the checkpoint, or LLM(tokenizer=...))")
+            c.bad_words = bad_words_token_ids(params.bad_words, tokenizer)
+            check("bad_words", [t for ids in c.bad_words for t in ids])
+        return c
+
+    def add_bias(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits if self.bias_ids is None else logits.index_add(0, self.bias_ids, self.bias_values.to(logits))
+
+    def banned_words(self, output_ids: list[int]) -> list[int]:
+        """The last token of every bad word whose other tokens end output_ids (vLLM: the output only,
+        not the prompt)."""
+        return [ids[-1] for ids in self.bad_words
+                if len(ids) - 1 <= len(output_ids) and (len(ids) == 1 or output_ids[1 - len(ids):] == ids[:-1])]
+
+
+def _check_vocab(name: str, ids, vocab_size: int) -> None:
+    if outside := sorted({t for t in ids if t >= vocab_size}):
+        raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {outside}")
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """vLLM's tokenization of bad_words: each word without its leading spaces, and with one
+    leading space when that is another token sequence of the same length (tokenizers that mark
+    word starts, as SentencePiece's "▁", give a word inside a text other ids than at its start)."""
+    out = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"bad_words entry {word!r} tokenizes to no token")
+        out.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return out
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -45,6 +45,7 @@ class Sequence:
         self.finish_reason: str | None = None     # "stop", "length" or "abort", as vLLM
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.generator: torch.Generator | None = None
+        self.token_constraints = None             # the request's sampler.TokenConstraints, if any
         self.detokenizer = None                   # IncrementalDetokenizer when there is a tokenizer
         self.text = ""                            # output text, stop string cut off
         self.logprobs: list[dict] | None = None   # per output token, when asked for
