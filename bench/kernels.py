@@ -25,10 +25,21 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
+# DeepSeek's MLA rows: a 512-wide latent plus 64 RoPE dimensions (576 = the case's head_size).
+MLA_ROPE_DIM = 64
+MLA_HEAD_SIZE = 576
+
+
+def mla_rope_dim(head_size: int) -> int:
+    """The RoPE part of a latent row of head_size numbers (64, or an eighth of a small row)."""
+    return MLA_ROPE_DIM if head_size > 2 * MLA_ROPE_DIM else max(8, head_size // 8 // 8 * 8)
+
+
 @dataclass(frozen=True)
 class Case:
     """One timed shape. For prefill, every sequence's whole context is the query (q_len = context).
-    For reshape_and_cache, num_seqs x context_len tokens are written; for copy/swap_blocks,
+    For reshape_and_cache, num_seqs x context_len tokens are written (concat_and_cache_mla: the same
+    tokens' latent rows of head_size numbers, MLA_ROPE_DIM of them the RoPE part, one KV head); for copy/swap_blocks,
     a quarter of the pool's blocks are copied; for (de)quantize, the same number of K rows."""
     op: str
     sweep: str              # the axis this case varies ("base" for the shared base shape)
@@ -120,6 +131,7 @@ def cases(profile: str) -> list[Case]:
         return (_sweeps(dec, bs, contexts=(32,), batches=(1,), kv_heads=(4,), dtypes=("float32", "fp8_e4m3"))
                 + _sweeps(Case("prefill_attention", "base", **small), bs, dtypes=("float32",))
                 + _sweeps(Case("reshape_and_cache", "base", **small), bs, dtypes=("fp8_e4m3",))
+                + _sweeps(Case("concat_and_cache_mla", "base", **small), bs, dtypes=("fp8_e4m3",))
                 + _sweeps(Case("copy_blocks", "base", num_layers=2, **small), bs)
                 + _sweeps(Case("swap_blocks", "base", **small), bs)
                 + [Case("quantize_fp8", "dtype", **small), Case("dequantize_fp8", "dtype", **small),
@@ -131,6 +143,8 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("prefill_attention", "base", num_seqs=8, context_len=2048), contexts=(8192,),
                           dtypes=("float16",))
                 + _sweeps(Case("reshape_and_cache", "base", num_seqs=32, context_len=1024), few, dtypes=("fp8_e4m3",))
+                + _sweeps(Case("concat_and_cache_mla", "base", num_seqs=32, context_len=1024, num_kv_heads=1,
+                               head_size=MLA_HEAD_SIZE), few, dtypes=("fp8_e4m3",))
                 + _sweeps(Case("copy_blocks", "base", num_seqs=32, context_len=2048, num_layers=8), few)
                 + _sweeps(Case("swap_blocks", "base", num_seqs=32, context_len=2048), few)
                 + [Case(op, "dtype", num_seqs=32, context_len=1024)
@@ -140,6 +154,8 @@ def cases(profile: str) -> list[Case]:
                 + _sweeps(Case("prefill_attention", "base", num_seqs=1, context_len=512), (16,))
                 + [Case(op, "block_size", num_seqs=16, context_len=256, num_layers=2)
                    for op in ("reshape_and_cache", "copy_blocks", "swap_blocks")]
+                + [Case("concat_and_cache_mla", "block_size", num_seqs=16, context_len=256, num_kv_heads=1,
+                        head_size=MLA_HEAD_SIZE)]
                 + [Case(op, "dtype", num_seqs=16, context_len=256)
                    for op in ("quantize_fp8", "dequantize_fp8", "merge_attention_states", "merge_states")])
     # cpu: sized for ~10 minutes of `make bench` on 2 shared cores
@@ -148,6 +164,8 @@ def cases(profile: str) -> list[Case]:
             + _sweeps(Case("prefill_attention", "base", num_seqs=2, context_len=512), contexts=(128, 1024),
                       kv_heads=(32,), dtypes=("float32",))
             + _sweeps(Case("reshape_and_cache", "base", num_seqs=16, context_len=256), dtypes=("float32", "fp8_e4m3"))
+            + _sweeps(Case("concat_and_cache_mla", "base", num_seqs=16, context_len=256, num_kv_heads=1,
+                           head_size=MLA_HEAD_SIZE), (1, 16, 64), dtypes=("bfloat16", "fp8_e4m3"))
             + _sweeps(Case("copy_blocks", "base", num_seqs=16, context_len=1024, num_layers=4))
             + _sweeps(Case("swap_blocks", "base", num_seqs=16, context_len=1024))
             + [Case(op, "dtype", num_seqs=16, context_len=256, dtype=d)
@@ -280,6 +298,16 @@ def build_args(case: Case, device: str, seed: int) -> tuple:
         slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
         k = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
         return (k, torch.empty_like(k).copy_(k), p.key_cache, p.value_cache, slots, p.k_scale, p.v_scale)
+    if c.op == "concat_and_cache_mla":
+        # one latent row per token into a one-head cache, half the pool unused
+        p = _paged(replace(c, num_kv_heads=1), device, seed, spare_blocks=1.0)
+        bt = p.block_tables.long()
+        pos = torch.arange(c.context_len, device=device)
+        slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
+        rope_dim = mla_rope_dim(c.head_size)
+        latent = _rand((c.num_tokens, c.head_size - rope_dim), dt, device, g)
+        rope = _rand((c.num_tokens, rope_dim), dt, device, g)
+        return (latent, rope, p.key_cache, slots, p.k_scale)
     if c.op == "copy_blocks":
         layers = [_pool(c, device, g) for _ in range(c.num_layers)]
         return ([k for k, _ in layers], [v for _, v in layers], _copy_mapping(layers[0][0].shape[0], seed).to(device))
@@ -337,6 +365,8 @@ def bytes_moved(case: Case) -> int:
         return 2 * c.num_tokens * row * cache_el
     if c.op == "reshape_and_cache":
         return 2 * c.num_tokens * row * (el + cache_el) + c.num_tokens * 8
+    if c.op == "concat_and_cache_mla":  # one latent row per token, one KV head
+        return c.num_tokens * c.head_size * (el + cache_el) + c.num_tokens * 8
     if c.op in ("copy_blocks", "swap_blocks"):
         per_seq = math.ceil(c.context_len / c.block_size)
         n = max(1, c.num_seqs * per_seq // 4)

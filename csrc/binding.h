@@ -290,6 +290,7 @@ inline void reshape_and_cache(const Target& tgt, const Tensor& key, const Tensor
   p.num_tokens = key.size(0);
   p.num_kv_heads = int_size(key.size(1), "num_kv_heads");
   p.head_size = int_size(key.size(2), "head_size");
+  p.value_head_size = int_size(value.size(2), "value head_size");
   p.key_stride_token = key.stride(0);
   p.key_stride_head = key.stride(1);
   p.value_stride_token = value.stride(0);
@@ -417,6 +418,14 @@ struct Ops {
     binding::reshape_and_cache(Backend::target(key_cache.device()), key, value, key_cache, value_cache, slot_mapping,
                                k_scale, v_scale);
   }
+  // The latent and its RoPE part are reshape_and_cache's key and value (one KV head each), stored
+  // into the two column ranges of the same cache rows: one launch.
+  static void concat_and_cache_mla(const Tensor& latent, const Tensor& rope, Tensor& latent_cache,
+                                   const Tensor& slot_mapping, const OptTensor& scale) {
+    const int64_t rank = latent.size(1);
+    Tensor latent_part = latent_cache.narrow(3, 0, rank), rope_part = latent_cache.narrow(3, rank, rope.size(1));
+    reshape_and_cache(latent.unsqueeze(1), rope.unsqueeze(1), latent_part, rope_part, slot_mapping, scale, scale);
+  }
   static void decode_with(const LaunchConfig* cfg, Tensor& out, const Tensor& query, const Tensor& key_cache,
                           const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens, double scale,
                           const OptTensor& k_scale, const OptTensor& v_scale, const AttentionVariants& variants) {
@@ -486,6 +495,7 @@ struct Ops {
     m.impl("dequantize_fp8", &dequantize_fp8);
     m.impl("copy_blocks", &copy_blocks);
     m.impl("swap_blocks", &swap_blocks);
+    m.impl("concat_and_cache_mla", &concat_and_cache_mla);
   }
 
   // ---- the test namespace: the same kernels with an explicit launch configuration ------------------

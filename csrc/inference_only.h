@@ -74,4 +74,5 @@ inline void kernel(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torc
   PAGED_OPS_IMPL_INFERENCE_ONLY_ONE(m, "quantize_fp8");                \
   PAGED_OPS_IMPL_INFERENCE_ONLY_ONE(m, "dequantize_fp8");              \
   PAGED_OPS_IMPL_INFERENCE_ONLY_ONE(m, "copy_blocks");                 \
-  PAGED_OPS_IMPL_INFERENCE_ONLY_ONE(m, "swap_blocks")
+  PAGED_OPS_IMPL_INFERENCE_ONLY_ONE(m, "swap_blocks");                 \
+  PAGED_OPS_IMPL_INFERENCE_ONLY_ONE(m, "concat_and_cache_mla")

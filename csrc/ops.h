@@ -44,6 +44,13 @@
 #define PAGED_OPS_SCHEMA_SWAP_BLOCKS \
   "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()"
 
+// MLA's latent cache (vLLM's concat_and_cache_mla): token t's latent [kv_lora_rank] and RoPE part
+// [rope_dim], concatenated, into slot slot_mapping[t] of a [num_blocks, block_size, 1,
+// kv_lora_rank + rope_dim] cache (one KV head: the attention ops read it as key_cache, and its
+// first kv_lora_rank columns as value_cache); fp8 caches take one per-tensor scale.
+#define PAGED_OPS_SCHEMA_CONCAT_AND_CACHE_MLA                                                  \
+  "concat_and_cache_mla(Tensor latent, Tensor rope, Tensor(a!) latent_cache, Tensor slot_mapping, " \
+  "Tensor? scale=None) -> ()"
 #define PAGED_OPS_SCHEMA_MERGE_ATTENTION_STATES                                                       \
   "merge_attention_states(Tensor(a!) out, Tensor(b!)? out_lse, Tensor prefix_out, Tensor prefix_lse, " \
   "Tensor suffix_out, Tensor suffix_lse) -> ()"
@@ -61,4 +68,5 @@
   m.def(PAGED_OPS_SCHEMA_QUANTIZE_FP8);          \
   m.def(PAGED_OPS_SCHEMA_DEQUANTIZE_FP8);        \
   m.def(PAGED_OPS_SCHEMA_COPY_BLOCKS);           \
-  m.def(PAGED_OPS_SCHEMA_SWAP_BLOCKS)
+  m.def(PAGED_OPS_SCHEMA_SWAP_BLOCKS);           \
+  m.def(PAGED_OPS_SCHEMA_CONCAT_AND_CACHE_MLA)

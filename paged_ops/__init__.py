@@ -42,6 +42,11 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
     torch.ops.paged.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
 
+def concat_and_cache_mla(latent, rope, latent_cache, slot_mapping, scale=None) -> None:
+    """Store each token's MLA latent and RoPE part in its latent-cache slot (the full text: below)."""
+    torch.ops.paged.concat_and_cache_mla(latent, rope, latent_cache, slot_mapping, scale)
+
+
 def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens, scale,
                      k_scale=None, v_scale=None, *, softcap=0.0, window_left=-1, sinks=None,
                      alibi_slopes=None, lse=None, batch_invariant=False, window_right=-1) -> None:

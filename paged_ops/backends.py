@@ -32,7 +32,7 @@ import torch
 from . import _C
 
 OPS = ("reshape_and_cache", "decode_attention", "prefill_attention", "merge_attention_states",
-       "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks")
+       "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks", "concat_and_cache_mla")
 
 # The one table of backends (csrc/backends.h), in index order: name, torch.library namespace, the
 # devices its kernels take, and the Python module of a Python backend ("" for C++).
@@ -208,7 +208,8 @@ def _device_of(op: str, args) -> torch.device:
         return args[0][0].device
     if op == "swap_blocks":  # a GPU<->CPU swap belongs to the GPU's side
         return args[1].device if args[0].device.type == "cpu" else args[0].device
-    return args[0].device if op in ("reshape_and_cache", "merge_attention_states", "merge_states") else args[1].device
+    return (args[0].device if op in ("reshape_and_cache", "merge_attention_states", "merge_states", "concat_and_cache_mla")
+            else args[1].device)
 
 
 def _python_kernel(name: str, op: str) -> Callable:

@@ -188,6 +188,23 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
             cache[block, offset] = stored
 
 
+def concat_and_cache_mla(latent, rope, latent_cache, slot_mapping, scale=None) -> None:
+    """MLA's latent cache write (vLLM's ``concat_and_cache_mla``): token ``t``'s latent and RoPE
+    part, concatenated, into slot ``slot_mapping[t]`` (skipped when negative).
+
+    latent: [num_tokens, kv_lora_rank]; rope: [num_tokens, rope_dim] (its dtype); slot_mapping:
+    int64 [num_tokens]; latent_cache: [num_blocks, block_size, 1, kv_lora_rank + rope_dim] (one KV
+    head, so the attention ops read it as ``key_cache`` and ``latent_cache[..., :kv_lora_rank]`` as
+    ``value_cache``); kv_lora_rank > 0 and rope_dim >= 0 multiples of 8 (DeepSeek: 512 and 64). An
+    fp8 cache stores the saturating cast of ``x / scale``, ``scale`` float32 with 1 element
+    (required for fp8, absent otherwise). That is ``reshape_and_cache`` with the latent as the key
+    and the RoPE part as the value, one KV head each, into the cache's two column ranges.
+    """
+    rank = latent.shape[1]
+    reshape_and_cache(latent.unsqueeze(1), rope.unsqueeze(1), latent_cache[..., :rank], latent_cache[..., rank:],
+                      slot_mapping, scale, scale)
+
+
 def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens,
                       max_seqlen_q, scale, causal=True, k_scale=None, v_scale=None, *, softcap=0.0,
                       window_left=-1, sinks=None, alibi_slopes=None, lse=None, batch_invariant=False,

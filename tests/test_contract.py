@@ -49,6 +49,9 @@ def op_samples():
         "dequantize_fp8": [(torch.empty(4, 64), x.to(torch.float8_e4m3fn), torch.tensor([0.5]))],
         "copy_blocks": [(kcs, vcs, torch.tensor([[0, 3], [1, 4]]))],
         "swap_blocks": [(kcs[0], torch.randn(3, 8, 2, 64), torch.tensor([[5, 0], [2, 2]]))],
+        "concat_and_cache_mla": [(torch.randn(6, 64), torch.randn(6, 16), torch.randn(6, 8, 1, 80), slots, None),
+                                 (torch.randn(6, 64).bfloat16(), torch.randn(6, 16).bfloat16(),
+                                  torch.randn(6, 8, 1, 80).to(torch.float8_e4m3fn), slots, torch.tensor([0.25]))],
     }
 
 

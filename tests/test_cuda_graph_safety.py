@@ -210,6 +210,24 @@ def reshape_and_cache():
         assert_bits_equal(d[3], want_v, f"value_cache {cache_dtype}")
 
 
+@child_case("concat_and_cache_mla")
+def concat_and_cache_mla():
+    for cache_dtype in (BF16, E4M3):
+        g = torch.Generator().manual_seed(12)
+        num_blocks, block_size, rank, rope_dim, tokens = 4, 16, 512, 64, 9
+        latent = torch.randn(tokens, rank, generator=g).to(BF16)
+        rope = torch.randn(tokens, rope_dim, generator=g).to(BF16)
+        slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+        slots[2] = -1  # a skipped token
+        scale = torch.rand(1, generator=g) + 0.5 if cache_dtype == E4M3 else None
+        cache = empty_cache(num_blocks, block_size, 1, rank + rope_dim, cache_dtype)
+        want = cache.clone()
+        reference.concat_and_cache_mla(latent, rope, want, slots, scale)
+        d = [to_device(t) for t in (latent, rope, cache, slots, scale)]
+        closed(lambda: paged_ops.concat_and_cache_mla(*d))
+        assert_bits_equal(d[2], want, f"latent_cache {cache_dtype}")
+
+
 @child_case("merge_attention_states")
 def merge_attention_states():
     g = torch.Generator().manual_seed(11)

@@ -996,6 +996,94 @@ def test_reshape_and_cache_strided_key_value(backend):
 
 
 # ---------------------------------------------------------------------------------------------
+# concat_and_cache_mla: MLA's latent cache (one KV head, latent + RoPE part per row)
+
+# (kv_lora_rank, rope_dim): DeepSeek's 512 + 64, a small one, one with no RoPE part, one whose
+# two parts have the same width (a kernel that writes one part over the other cannot pass).
+MLA_CONFIGS = [(None, F32, 512, 64), (None, BF16, 64, 16), (E4M3, BF16, 512, 64), (E5M2, F16, 32, 0),
+               (E4M3, F32, 24, 24), (None, F16, 16, 8)]
+
+
+@pytest.mark.parametrize("backend,cache_dtype,dtype,rank,rope_dim,block_size",
+                         with_backends(MLA_CONFIGS, (1, 16, 64)))
+def test_concat_and_cache_mla(backend, cache_dtype, dtype, rank, rope_dim, block_size):
+    """Bit-identical to the reference; padding tokens (slot -1) and slots not written stay NaN."""
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(block_size + rank)
+    cache_dtype = cache_dtype or dtype
+    num_tokens = 21
+    num_blocks = -(-num_tokens // block_size) + 2
+    # fp8: values over many binades (subnormals, saturation past the fp8 max)
+    latent = (torch.randn(num_tokens, rank, generator=g)
+              * torch.exp(torch.randn(num_tokens, rank, generator=g) * 5)).to(dtype)
+    rope = (torch.randn(num_tokens, rope_dim, generator=g) * 30).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    slots[::4] = -1
+    scale = torch.rand(1, generator=g) * 0.1 + 0.02 if cache_dtype in FP8_DTYPES else None
+    want = empty_cache(num_blocks, block_size, 1, rank + rope_dim, cache_dtype)
+    got = empty_cache(num_blocks, block_size, 1, rank + rope_dim, cache_dtype, device=device)
+    reference.concat_and_cache_mla(latent, rope, want, slots, scale)
+    to = lambda t: None if t is None else t.to(device)  # noqa: E731
+    paged_ops.backend(backend).concat_and_cache_mla(to(latent), to(rope), got, to(slots), to(scale))
+    sync(device)
+    assert_bits_equal(got, want, "latent_cache")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_concat_and_cache_mla_strided_rows_and_the_cache_as_attention_input(backend):
+    """latent and rope as column slices of one projection output (as in DeepSeek's kv_a_proj);
+    then the latent cache read by decode_attention as key_cache with its first kv_lora_rank
+    columns as value_cache (absorbed MLA), against the reference on the same views."""
+    device = device_of(backend)
+    g = torch.Generator().manual_seed(7)
+    rank, rope_dim, block_size, num_heads = 64, 16, 16, 4
+    kv = torch.randn(40, rank + rope_dim + 8, generator=g)  # [tokens, latent | rope | other]
+    latent, rope = kv[:, :rank], kv[:, rank:rank + rope_dim]
+    num_blocks = 5
+    table = torch.tensor([[3, 0, 4]], dtype=torch.int32)
+    pos = torch.arange(40)
+    slots = table[0, pos // block_size].long() * block_size + pos % block_size
+    want = empty_cache(num_blocks, block_size, 1, rank + rope_dim, F32)
+    got = empty_cache(num_blocks, block_size, 1, rank + rope_dim, F32, device=device)
+    reference.concat_and_cache_mla(latent, rope, want, slots)
+    kv_d = kv.to(device)
+    paged_ops.backend(backend).concat_and_cache_mla(kv_d[:, :rank], kv_d[:, rank:rank + rope_dim], got,
+                                                    slots.to(device), None)
+    sync(device)
+    assert_bits_equal(got, want, "latent_cache")
+    assert torch.equal(got.cpu()[3, :, 0, :rank], latent[:16]) and torch.equal(got.cpu()[4, 7, 0, rank:], rope[39])
+
+
+def test_concat_and_cache_mla_bad_inputs_name_the_argument():
+    latent, rope = torch.randn(3, 64), torch.randn(3, 16)
+    cache, slots = empty_cache(2, 4, 1, 80, F32), torch.tensor([0, 1, 2])
+    op = torch.ops.paged.concat_and_cache_mla
+    cases = [
+        ((latent, torch.randn(3, 12), cache, slots, None), "rope: rope_dim"),
+        ((torch.randn(3, 60), torch.randn(3, 20), cache, slots, None), "latent: kv_lora_rank"),
+        ((latent, rope.half(), cache, slots, None), "rope dtype"),
+        ((latent, rope[:2], cache, slots, None), "rope has 2 tokens"),
+        ((latent, rope, empty_cache(2, 4, 2, 80, F32), slots, None), "one KV head"),
+        ((latent, rope, empty_cache(2, 4, 1, 88, F32), slots, None), "latent_cache rows hold 88"),
+        ((latent, rope, cache, torch.tensor([0, 1, 8]), None), "slot_mapping holds slot 8"),
+        ((latent, rope, cache, slots.int(), None), "slot_mapping"),
+        ((latent, rope, cache, slots, torch.ones(1)), "scale is only for fp8"),
+        ((latent, rope, empty_cache(2, 4, 1, 80, E4M3), slots, None), "scale is required"),
+        ((latent, rope, empty_cache(2, 4, 1, 80, E4M3), slots, torch.ones(2)), "scale must be one"),
+        ((latent, rope, empty_cache(2, 4, 1, 80, F16), slots, None), "latent_cache dtype"),
+        ((latent, rope, poison(torch.empty(2, 4, 1, 160))[..., ::2], slots, None), "latent_cache must be contiguous in its last"),
+    ]
+    for args, message in cases:
+        before = args[2].clone()
+        with pytest.raises(ValueError, match=message):
+            op(*args)
+        assert_bits_equal(args[2], before, f"written despite the error ({message})")
+    overlapping = torch.randn(2, 4, 1, 80)
+    with pytest.raises(ValueError, match="latent_cache overlaps latent"):
+        op(overlapping.view(8, 80)[:3, :64], rope, overlapping, slots, None)
+
+
+# ---------------------------------------------------------------------------------------------
 # quantize_fp8 / dequantize_fp8
 
 def fp8_probe(dtype: torch.dtype, fp8: torch.dtype) -> torch.Tensor:

@@ -12,21 +12,25 @@ namespace PAGED_KERNEL_NS {
 namespace cache {
 
 // One block per token (grid-stride over tokens past the grid's x limit); a thread moves one
-// 8-element chunk of one head (16-byte loads/stores for 16-bit types), for K and V. Negative
-// slots are padding tokens and are skipped.
+// 8-element chunk of one head (16-byte loads/stores for 16-bit types), of K, then of V (whose head
+// size may differ: MLA's latent and RoPE part). Negative slots are padding tokens and are skipped.
 template <typename T, typename C>
 __global__ void __launch_bounds__(256) reshape_and_cache_kernel(ReshapeCacheParams p, bool aligned) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  const int chunks = p.head_size / 8;
+  const int k_chunks = p.head_size / 8, v_chunks = p.value_head_size / 8;
   for (int64_t t = blockIdx.x; t < p.num_tokens; t += gridDim.x) {
     const int64_t slot = p.slot_mapping[t];
     if (slot < 0) continue;  // block-uniform: no barrier in this kernel anyway
-    for (int i = threadIdx.x; i < p.num_kv_heads * chunks; i += blockDim.x) {
-      const int h = i / chunks, d = (i % chunks) * 8;
+    for (int i = threadIdx.x; i < p.num_kv_heads * k_chunks; i += blockDim.x) {
+      const int h = i / k_chunks, d = (i % k_chunks) * 8;
       float x[8];
       load8(static_cast<const T*>(p.key) + t * p.key_stride_token + h * p.key_stride_head + d, x, aligned);
       store8(slot_row<C>(p.key_cache, slot, p.block_size, p.k_stride_block, p.k_stride_token, p.k_stride_head, h) + d,
              x, aligned, cache_scale(p.k_scale, 0, p.k_scale_head_stride, 0, h));
+    }
+    for (int i = threadIdx.x; i < p.num_kv_heads * v_chunks; i += blockDim.x) {
+      const int h = i / v_chunks, d = (i % v_chunks) * 8;
+      float x[8];
       load8(static_cast<const T*>(p.value) + t * p.value_stride_token + h * p.value_stride_head + d, x, aligned);
       store8(slot_row<C>(p.value_cache, slot, p.block_size, p.v_stride_block, p.v_stride_token, p.v_stride_head, h) +
                  d,
@@ -45,7 +49,8 @@ inline void launch_reshape_and_cache(const ReshapeCacheParams& p, Stream stream)
                            chunk_aligned(p.value, p.dtype, {p.value_stride_token, p.value_stride_head}) &&
                            chunk_aligned(p.key_cache, p.cache_dtype, {p.k_stride_block, p.k_stride_token, p.k_stride_head}) &&
                            chunk_aligned(p.value_cache, p.cache_dtype, {p.v_stride_block, p.v_stride_token, p.v_stride_head});
-      const int work = p.num_kv_heads * (p.head_size / 8);
+      const int widest = p.head_size > p.value_head_size ? p.head_size : p.value_head_size;
+      const int work = p.num_kv_heads * (widest / 8);
       const int threads = work >= 256 ? 256 : ((work + 31) / 32) * 32;
       const int64_t blocks = p.num_tokens < kMaxGridX ? p.num_tokens : kMaxGridX;
       auto kernel = reshape_and_cache_kernel<T, C>;

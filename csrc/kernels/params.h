@@ -81,6 +81,7 @@ struct ReshapeCacheParams {
   DType dtype, cache_dtype;
   int64_t num_tokens;
   int num_kv_heads, head_size, block_size;
+  int value_head_size;  // may differ from head_size (MLA: the latent and its RoPE part)
   int64_t key_stride_token, key_stride_head, value_stride_token, value_stride_head;
   int64_t k_stride_block, k_stride_token, k_stride_head;
   int64_t v_stride_block, v_stride_token, v_stride_head;

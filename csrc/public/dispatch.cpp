@@ -32,6 +32,7 @@ using MergeStatesSig = void(Tensor&, const OptTensor&, const Tensor&, const Tens
 using Fp8Sig = void(Tensor&, const Tensor&, const Tensor&);
 using CopySig = void(at::TensorList, at::TensorList, const Tensor&);
 using SwapSig = void(const Tensor&, Tensor&, const Tensor&);
+using LatentCacheSig = void(const Tensor&, const Tensor&, Tensor&, const Tensor&, const OptTensor&);
 
 // One op's handle in every backend namespace this build registered, looked up once.
 template <class Sig>
@@ -70,6 +71,15 @@ void reshape_and_cache(const Tensor& key, const Tensor& value, Tensor& key_cache
   if (key.size(0) == 0) return;
   static const BackendOps<ReshapeSig> ops("reshape_and_cache");
   ops[backend].call(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale);
+}
+
+void concat_and_cache_mla(const Tensor& latent, const Tensor& rope, Tensor& latent_cache, const Tensor& slot_mapping,
+                          const OptTensor& scale) {
+  check_concat_and_cache_mla(latent, rope, latent_cache, slot_mapping, scale);
+  const int backend = select_backend(latent.device());
+  if (latent.size(0) == 0) return;
+  static const BackendOps<LatentCacheSig> ops("concat_and_cache_mla");
+  ops[backend].call(latent, rope, latent_cache, slot_mapping, scale);
 }
 
 void decode_attention(Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache,
@@ -168,7 +178,8 @@ void swap_blocks(const Tensor& src, Tensor& dst, const Tensor& block_mapping) {
   m.impl("quantize_fp8", &paged::api::quantize_fp8);              \
   m.impl("dequantize_fp8", &paged::api::dequantize_fp8);          \
   m.impl("copy_blocks", &paged::api::copy_blocks);                \
-  m.impl("swap_blocks", &paged::api::swap_blocks)
+  m.impl("swap_blocks", &paged::api::swap_blocks);               \
+  m.impl("concat_and_cache_mla", &paged::api::concat_and_cache_mla)
 
 TORCH_LIBRARY_IMPL(paged, CPU, m) { PAGED_OPS_IMPL_PUBLIC(m); }
 TORCH_LIBRARY_IMPL(paged, CUDA, m) { PAGED_OPS_IMPL_PUBLIC(m); }

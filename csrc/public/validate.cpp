@@ -403,6 +403,60 @@ void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tenso
                     num_blocks, " blocks x ", block_size, " slots)");
 }
 
+void check_concat_and_cache_mla(const Tensor& latent, const Tensor& rope, const Tensor& latent_cache,
+                                const Tensor& slot_mapping, const OptTensor& scale) {
+  check_ndim("latent_cache", latent_cache, 4);
+  check_dtype("latent_cache", latent_cache, kCache);
+  check_unit_stride("latent_cache", latent_cache);
+  const c10::Device device = latent_cache.device();
+  for (auto [name, x] : {std::pair<const char*, const Tensor*>{"latent", &latent}, {"rope", &rope}}) {
+    check_tensor(name, *x, 2, kFloat, device);
+    check_unit_stride(name, *x);
+  }
+  TORCH_CHECK_VALUE(rope.scalar_type() == latent.scalar_type(), "rope dtype ", dtype_str(rope.scalar_type()),
+                    " != latent dtype ", dtype_str(latent.scalar_type()));
+  TORCH_CHECK_VALUE(rope.size(0) == latent.size(0), "rope has ", rope.size(0), " tokens but latent has ",
+                    latent.size(0));
+  const int64_t rank = latent.size(1), rope_dim = rope.size(1);
+  TORCH_CHECK_VALUE(rank > 0 && rank % 8 == 0, "latent: kv_lora_rank (shape[1]) ", rank,
+                    " is not supported (must be a positive multiple of 8)");
+  TORCH_CHECK_VALUE(rope_dim % 8 == 0, "rope: rope_dim (shape[1]) ", rope_dim,
+                    " is not supported (must be a multiple of 8)");
+  TORCH_CHECK_VALUE(latent_cache.size(1) >= 1, "block_size (latent_cache.shape[1]) must be >= 1");
+  TORCH_CHECK_VALUE(latent_cache.size(2) == 1, "latent_cache must hold one KV head (shape[2] == 1), got shape ",
+                    shape_str(latent_cache.sizes()));
+  TORCH_CHECK_VALUE(latent_cache.size(3) == rank + rope_dim, "latent_cache rows hold ", latent_cache.size(3),
+                    " numbers but latent + rope have ", rank, " + ", rope_dim);
+  check_cache_sizes("latent_cache", latent_cache);
+  check_fits("row size (shape[3])", latent_cache.size(3), "latent_cache");
+  const ScalarType cache_dtype = latent_cache.scalar_type();
+  TORCH_CHECK_VALUE(cache_dtype == latent.scalar_type() || is_fp8(cache_dtype), "latent_cache dtype ",
+                    dtype_str(cache_dtype), " must be the latent dtype ", dtype_str(latent.scalar_type()),
+                    " or an fp8 dtype");
+  if (is_fp8(cache_dtype)) {
+    TORCH_CHECK_VALUE(scale.has_value(), "scale is required for an fp8 (", dtype_str(cache_dtype), ") latent_cache");
+    check_dtype("scale", *scale, {at::kFloat});
+    check_device("scale", *scale, device);
+    TORCH_CHECK_VALUE(scale->numel() == 1 && scale->is_contiguous(),
+                      "scale must be one contiguous element (per tensor), got shape ", shape_str(scale->sizes()));
+  } else {
+    TORCH_CHECK_VALUE(!scale.has_value(), "scale is only for fp8 caches; latent_cache dtype is ",
+                      dtype_str(cache_dtype));
+  }
+  check_index_tensor("slot_mapping", slot_mapping, at::kLong, 1, device);
+  TORCH_CHECK_VALUE(slot_mapping.size(0) == latent.size(0), "slot_mapping has ", slot_mapping.size(0),
+                    " entries but latent has ", latent.size(0), " tokens");
+  check_outputs_apart({{"latent_cache", &latent_cache}}, {{"latent", &latent}, {"rope", &rope},
+                                                          {"slot_mapping", &slot_mapping}, {"scale", opt(scale)}});
+  if (slot_mapping.numel() == 0 || !reads_contents(slot_mapping)) return;
+  const Tensor slots_h = host(slot_mapping);
+  const int64_t* slots = slots_h.const_data_ptr<int64_t>();
+  const int64_t top = *std::max_element(slots, slots + slot_mapping.numel());
+  const int64_t num_slots = latent_cache.size(0) * latent_cache.size(1);
+  TORCH_CHECK_VALUE(top < num_slots, "slot_mapping holds slot ", top, ", outside latent_cache (",
+                    latent_cache.size(0), " blocks x ", latent_cache.size(1), " slots)");
+}
+
 void check_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                             const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                             const OptTensor& k_scale, const OptTensor& v_scale) {

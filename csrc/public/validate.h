@@ -18,6 +18,10 @@ using OptTensor = std::optional<Tensor>;
 void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tensor& key_cache,
                              const Tensor& value_cache, const Tensor& slot_mapping,
                              const OptTensor& k_scale, const OptTensor& v_scale);
+// MLA's latent cache write: latent [num_tokens, kv_lora_rank], rope [num_tokens, rope_dim],
+// latent_cache [num_blocks, block_size, 1, kv_lora_rank + rope_dim]; scale for fp8 caches only.
+void check_concat_and_cache_mla(const Tensor& latent, const Tensor& rope, const Tensor& latent_cache,
+                                const Tensor& slot_mapping, const OptTensor& scale);
 void check_decode_attention(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                             const Tensor& value_cache, const Tensor& block_tables,
                             const Tensor& seq_lens, const OptTensor& k_scale,

@@ -61,7 +61,7 @@ DEVICES = ("cuda", "cpu") if _interpreter_works() else ("cuda",)
 _IMPORT_ERROR: ImportError | None = None
 try:
     from .autotune import last_config
-    from .cache import copy_blocks, reshape_and_cache, swap_blocks
+    from .cache import concat_and_cache_mla, copy_blocks, reshape_and_cache, swap_blocks
     from .decode import decode_attention
     from .fp8 import dequantize_fp8, quantize_fp8
     from .merge import merge_attention_states, merge_states
@@ -74,6 +74,7 @@ else:
                                                    merge_attention_states, quantize_fp8, dequantize_fp8,
                                                    copy_blocks, swap_blocks))
     merge_states = _serialized(merge_states)
+    concat_and_cache_mla = _serialized(concat_and_cache_mla)
 
 
 def config_for(op: str, *args) -> dict:
@@ -92,4 +93,5 @@ def is_available() -> bool:
     return torch.cuda.is_available() or "cpu" in DEVICES
 
 __all__ = ["DEVICES", "is_available", "last_config", "config_for", "reshape_and_cache", "decode_attention",
-           "prefill_attention", "merge_attention_states", "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks"]
+           "prefill_attention", "merge_attention_states", "merge_states", "quantize_fp8", "dequantize_fp8", "copy_blocks", "swap_blocks",
+           "concat_and_cache_mla"]

@@ -1,4 +1,6 @@
-"""Cache-writing ops: ``reshape_and_cache`` (with fused fp8 quantization), ``copy_blocks``, ``swap_blocks``."""
+"""Cache-writing ops: ``reshape_and_cache`` (with fused fp8 quantization), MLA's
+``concat_and_cache_mla`` (the same kernel on the latent cache's two column ranges),
+``copy_blocks``, ``swap_blocks``."""
 from __future__ import annotations
 
 import functools
@@ -44,9 +46,10 @@ def _reshape_and_cache_kernel(
         v_stride_block, v_stride_token, v_stride_head,
         QUANTIZE: tl.constexpr, K_PER_HEAD: tl.constexpr, V_PER_HEAD: tl.constexpr,
         FP8_MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr,
-        HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr):
-    # One program: one token, BLOCK_H of its KV heads, the whole head (padded to HEAD_PAD).
-    # HEAD_SIZE is constexpr so the column mask is known at compile time (vectorized rows).
+        HEAD_SIZE: tl.constexpr, VALUE_HEAD_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_PAD: tl.constexpr):
+    # One program: one token, BLOCK_H of its KV heads, the whole head (padded to HEAD_PAD, the
+    # wider of K's and V's). The head sizes are constexpr so the column masks are known at
+    # compile time (vectorized rows).
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:  # padding token: nothing to cache
@@ -58,10 +61,12 @@ def _reshape_and_cache_kernel(
     dims = tl.arange(0, HEAD_PAD)[None, :]
     head_mask = heads < num_kv_heads
     mask = head_mask & (dims < HEAD_SIZE)
+    value_mask = head_mask & (dims < VALUE_HEAD_SIZE)
     _write_one(key_ptr, key_cache_ptr, k_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
                key_stride_token, key_stride_head, k_stride_block, k_stride_token, k_stride_head,
                QUANTIZE, K_PER_HEAD, FP8_MAX, MANT, BIAS)
-    _write_one(value_ptr, value_cache_ptr, v_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask, mask,
+    _write_one(value_ptr, value_cache_ptr, v_scale_ptr, token, slot_block, slot_offset, heads, dims, head_mask,
+               value_mask,
                value_stride_token, value_stride_head, v_stride_block, v_stride_token, v_stride_head,
                QUANTIZE, V_PER_HEAD, FP8_MAX, MANT, BIAS)
 
@@ -69,7 +74,7 @@ def _reshape_and_cache_kernel(
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Scatter new tokens' K/V into their cache slots; fp8 caches get ``saturate(x / scale)``.
 
-    key, value: [num_tokens, num_kv_heads, head_size]
+    key, value: [num_tokens, num_kv_heads, head_size] (value's head size may differ: MLA)
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size] (any strides)
     slot_mapping: [num_tokens] int64, negative = skip
     """
@@ -85,7 +90,8 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
     kc = key_cache.view(torch.uint8) if quantize else key_cache
     vc = value_cache.view(torch.uint8) if quantize else value_cache
 
-    head_pad = next_pow2(head_size)
+    value_head_size = value.shape[2]
+    head_pad = next_pow2(max(head_size, value_head_size))
     # A few thousand elements per program: enough work per program, bounded registers.
     block_h = min(next_pow2(num_kv_heads), max(1, 4096 // head_pad))
     grid = (num_tokens, triton.cdiv(num_kv_heads, block_h))
@@ -98,7 +104,16 @@ def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=
             value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
             QUANTIZE=quantize, K_PER_HEAD=k_per_head, V_PER_HEAD=v_per_head,
             FP8_MAX=fp8_max, MANT=mant, BIAS=bias,
-            HEAD_SIZE=head_size, BLOCK_H=block_h, HEAD_PAD=head_pad)
+            HEAD_SIZE=head_size, VALUE_HEAD_SIZE=value_head_size, BLOCK_H=block_h, HEAD_PAD=head_pad)
+
+
+def concat_and_cache_mla(latent, rope, latent_cache, slot_mapping, scale=None) -> None:
+    """MLA's latent cache write: latent [num_tokens, kv_lora_rank] and rope [num_tokens, rope_dim]
+    into the two column ranges of latent_cache [num_blocks, block_size, 1, kv_lora_rank + rope_dim]:
+    reshape_and_cache's one launch, with the latent as K and the RoPE part as V."""
+    rank = latent.shape[1]
+    reshape_and_cache(latent.unsqueeze(1), rope.unsqueeze(1), latent_cache[..., :rank], latent_cache[..., rank:],
+                      slot_mapping, scale, scale)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ namespace {
 // One side (K or V): rows x [num_tokens, num_kv_heads, head_size] by strides into cache
 // [num_blocks, block_size, num_kv_heads, head_size] by strides.
 struct Side {
+  int64_t head_size;  // K's and V's may differ (MLA: the latent and its RoPE part)
   const void* x;
   int64_t x_stride_token, x_stride_head;
   void* cache;
@@ -24,7 +25,7 @@ struct Side {
 
 template <typename XT, typename CT>
 void scatter(const ReshapeCacheParams& p, const Side& s) {
-  const int64_t num_heads = p.num_kv_heads, D = p.head_size, block_size = p.block_size;
+  const int64_t num_heads = p.num_kv_heads, D = s.head_size, block_size = p.block_size;
   if (num_heads * D == 0) return;  // nothing to store (0 KV heads is validated away too)
   TORCH_CHECK(block_size >= 1, "reshape_and_cache: block_size must be >= 1");
   const XT* src = static_cast<const XT*>(s.x);
@@ -60,9 +61,9 @@ void scatter_any(const ReshapeCacheParams& p, const Side& s) {
 }  // namespace
 
 void reshape_and_cache(const ReshapeCacheParams& p, Stream) {
-  scatter_any(p, Side{p.key, p.key_stride_token, p.key_stride_head, p.key_cache, p.k_stride_block, p.k_stride_token,
+  scatter_any(p, Side{p.head_size, p.key, p.key_stride_token, p.key_stride_head, p.key_cache, p.k_stride_block, p.k_stride_token,
                       p.k_stride_head, p.k_scale, p.k_scale_head_stride});
-  scatter_any(p, Side{p.value, p.value_stride_token, p.value_stride_head, p.value_cache, p.v_stride_block,
+  scatter_any(p, Side{p.value_head_size, p.value, p.value_stride_token, p.value_stride_head, p.value_cache, p.v_stride_block,
                       p.v_stride_token, p.v_stride_head, p.v_scale, p.v_scale_head_stride});
 }
 
