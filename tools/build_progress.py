@@ -17,8 +17,9 @@ import time
 from collections import deque
 from pathlib import Path
 
-# ninja: "[12/57] Building CUDA object CMakeFiles/paged_cuda.dir/csrc/cuda/decode.cu.o"
-_NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\] (?:Building \S+ object \S*?(csrc/\S+?)\.o\b|Linking .* (\S+)$)")
+# ninja: "[12/57] Building CXX object CMakeFiles/paged_cpu_avx2.dir/csrc/cpu/kernels/attention.cpp.o"
+_NINJA_STEP = re.compile(r"^\[(\d+)/(\d+)\] (?:Building \S+ object \S*?CMakeFiles/(\S+?)\.dir/(csrc/\S+?)\.o\b"
+                         r"|Linking .* (\S+)$)")
 _STAGE = re.compile(r"^(\*\*\* .*|-- paged_ops: .*|Successfully installed .*)$")
 
 
@@ -27,8 +28,11 @@ def progress_line(line: str) -> str | None:
     line = line.strip()  # pip indents the backend's output
     step = _NINJA_STEP.match(line)
     if step:
-        done, total, source, linked = step.groups()
-        return f"[{done}/{total}] " + (source or f"link {Path(linked).name}")
+        done, total, target, source, linked = step.groups()
+        if linked:
+            return f"[{done}/{total}] link {Path(linked).name}"
+        # the cpu kernels are compiled once per ISA, each build its own target
+        return f"[{done}/{total}] {source}" + ("" if target == "_C" else f" ({target})")
     stage = _STAGE.match(line)
     return stage.group(1).strip() if stage else None
 
