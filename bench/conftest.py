@@ -1,5 +1,6 @@
 """Session plumbing of the benchmarks: a results collector, and at the end of the session the
-JSON file (bench/results/<machine>-<date>.json), the PNG plot and the summary tables.
+JSON file (build/bench-results/ or $PAGED_BENCH_RESULTS: bench.common.results_path), the PNG plot
+and the summary tables.
 
 Each benchmark module puts its rows in ``bench_results[section]``; sections are finalized here
 so that a single ``pytest bench --benchmark-enable`` run writes one file and prints one summary.
@@ -20,7 +21,23 @@ def bench_results() -> dict:
     return _RESULTS
 
 
+PROFILES = ("cpu", "gpu", "smoke", "cpu-small", "device-check")
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--bench-profile", choices=PROFILES, default=None,
+        help="the kernel benchmarks' case matrix (sets PAGED_BENCH_PROFILE, which it defaults to): cpu (make bench "
+             "without a GPU: one-factor sweeps around the headline shapes), gpu (the default where CUDA is visible), "
+             "smoke (tiny shapes, seconds: tests/test_bench_smoke.py), cpu-small (device_check.sh without a GPU), "
+             "device-check (the GPU headline shapes). A shape of your own: python -m bench.paged_attention --help")
+
+
 def pytest_configure(config):
+    profile = config.getoption("--bench-profile", None)
+    if profile:
+        import os
+        os.environ["PAGED_BENCH_PROFILE"] = profile
     if common.bench_threads():
         import torch
         torch.set_num_threads(common.bench_threads())

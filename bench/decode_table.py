@@ -1,16 +1,24 @@
 """``python -m bench.decode_table``: a quick CPU decode benchmark across block sizes (``make demo``
 prints it), bandwidth next to this machine's memory-copy bandwidth measured in the same run
-(read + write bytes / time, the STREAM convention), so the ratio means something on a noisy box.
+(read + write bytes / time, the STREAM convention), so the ratio means something on a noisy box;
+the load average before and after says how noisy.
 
-The measurement suite proper is ``make bench`` (bench/test_kernels.py).
+Its shape is fixed (bf16, 16 seqs x 2048 tokens, 32/8 heads, head 128, blocks 1/16/64/256). For a
+shape of your own (vLLM's benchmark_paged_attention.py arguments): ``python -m bench.paged_attention
+--help``. The measurement suite proper is ``make bench`` (bench/test_kernels.py), whose case matrix
+PAGED_BENCH_PROFILE picks: cpu (default without a GPU), gpu (default with one), smoke (tiny shapes,
+seconds), cpu-small, device-check (bench/README.md).
 """
 from __future__ import annotations
 
+import argparse
+import os
 import time
 
 import torch
 
 import paged_ops
+from bench.common import loadavg_text
 from paged_ops.testing import make_case
 
 
@@ -44,13 +52,23 @@ def decode_table(block_sizes=(1, 16, 64, 256), num_seqs=16, seq_len=2048, num_he
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.decode_table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
+    cli = parser.parse_args(argv)
+    if cli.threads:
+        torch.set_num_threads(cli.threads)
+    load_start = os.getloadavg()
     copy_bw = copy_bandwidth()
+    rows = decode_table()
+    load_end = os.getloadavg()
     print(f"== paged_ops {paged_ops.selected_backend('cpu')!r} decode, bf16, 16 seqs x 2048 tokens, 32/8 heads, "
           f"head 128 ({torch.get_num_threads()} threads) ==")
+    print(f"load average (1/5/15 min): {loadavg_text(load_start)} at the start, {loadavg_text(load_end)} at the end")
     print(f"memory copy bandwidth (read+write): {copy_bw:.1f} GB/s")
     print(f"{'block':>6}{'ms':>9}{'GB/s':>9}{'of copy':>9}")
-    for block_size, ms, gbs in decode_table():
+    for block_size, ms, gbs in rows:
         print(f"{block_size:>6}{ms:>9.2f}{gbs:>9.2f}{gbs / copy_bw:>9.0%}")
 
 
