@@ -1,9 +1,21 @@
 """An attention backend for vLLM 0.32 whose cache writes and attention are ``torch.ops.paged.*``.
 
-Enable it with ``VLLM_PLUGINS=paged_ops`` (the entry point ``paged_ops`` in the
-``vllm.general_plugins`` group calls :func:`register`); any other value of ``VLLM_PLUGINS`` leaves
-vLLM's own backend. vLLM loads general plugins in every process (front end, engine core, workers),
-so registration happens wherever the attention layers are built.
+Off unless asked for. vLLM calls the entry point ``paged_ops`` of the ``vllm.general_plugins``
+group (:func:`register`) in every process (front end, engine core, each worker) whenever
+``VLLM_PLUGINS`` is unset or names it, so installing paged-ops alone would replace vLLM's backend in
+every run; :func:`register` therefore replaces ``CPU_ATTN`` only when selected:
+
+* ``PAGED_OPS_VLLM=1``: on (vLLM still has to call it: ``VLLM_PLUGINS`` unset, or naming ``paged_ops``);
+* ``PAGED_OPS_VLLM=0``: off, even with ``VLLM_PLUGINS=paged_ops`` (the opt-out wins, for a job
+  whose launcher sets ``VLLM_PLUGINS``);
+* ``PAGED_OPS_VLLM`` unset or empty: on exactly when ``VLLM_PLUGINS`` names ``paged_ops``
+  (``VLLM_PLUGINS=paged_ops``, or a comma-separated list with it);
+
+any other ``PAGED_OPS_VLLM`` value is a ValueError naming it. Environment variables reach vLLM's
+spawned engine and worker processes, so every process decides the same way. A process whose
+attention layers are built with this backend logs one INFO line through vLLM's logger, with the
+first layer: ``paged_ops: CPU_ATTN -> paged_ops.integrations.vllm.PagedOpsAttentionBackend
+(VLLM_PLUGINS=paged_ops)`` (one per worker: with tensor or pipeline parallelism, one per rank).
 
 The KV cache: vLLM hands each layer a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 view whose last dimension is one token's key followed by its value. Transposing the middle two
@@ -27,6 +39,7 @@ model's dtype, loaded after init) is passed as float32 on every call, cast there
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -151,6 +164,7 @@ class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
                  kv_cache_dtype: str = "auto", logits_soft_cap: float | None = None,
                  attn_type: str = AttentionType.DECODER, kv_sharing_target_layer_name: str | None = None,
                  sinks: torch.Tensor | None = None) -> None:
+        _announce()
         # What the ops do not compute is refused here rather than silently ignored.
         if attn_type != AttentionType.DECODER:
             raise NotImplementedError(f"paged_ops attention backend does not support attn_type={attn_type}")
@@ -226,11 +240,68 @@ class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
         return output
 
 
+ENV = "PAGED_OPS_VLLM"
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_announced = False  # the one log line per process has been written (_announce)
+
+
+def selected(environ=None) -> tuple[bool, str]:
+    """(whether :func:`register` replaces vLLM's backend, why) from PAGED_OPS_VLLM and VLLM_PLUGINS."""
+    environ = os.environ if environ is None else environ
+    flag = environ.get(ENV, "").strip().lower()
+    # vLLM's own parsing (vllm.envs): unset is None, else the comma-separated names as written.
+    plugins = environ["VLLM_PLUGINS"].split(",") if "VLLM_PLUGINS" in environ else None
+    if flag in _ON:
+        return True, f"{ENV}={environ[ENV]}"
+    if flag in _OFF:
+        return False, f"{ENV}={environ[ENV]}"
+    if flag:
+        raise ValueError(f"{ENV}={environ[ENV]!r}: expected 1 (use paged_ops' attention backend in vLLM), "
+                         f"0 (do not), or unset (use it when VLLM_PLUGINS names paged_ops)")
+    if plugins is not None and "paged_ops" in plugins:
+        return True, f"VLLM_PLUGINS={environ['VLLM_PLUGINS']}"
+    return False, "VLLM_PLUGINS unset" if plugins is None else f"VLLM_PLUGINS={environ['VLLM_PLUGINS']}"
+
+
 def register(gpu: bool = False) -> None:
-    """The ``vllm.general_plugins`` entry point: replace vLLM's CPU attention backend (and, with
-    gpu=True, its Triton backend) by this module's backend. Idempotent, as vLLM
-    may load plugins more than once per process."""
+    """The ``vllm.general_plugins`` entry point: when :func:`selected` (``PAGED_OPS_VLLM=1``, or
+    ``VLLM_PLUGINS`` naming ``paged_ops`` without ``PAGED_OPS_VLLM=0``), replace vLLM's CPU
+    attention backend (and, with gpu=True, its Triton backend) by this module's backend;
+    otherwise leave vLLM's backends alone. Idempotent, as vLLM may load plugins more than once per
+    process. The log line comes when the first attention layer is built (:func:`_announce`): vLLM
+    loads plugins in its front end before it configures its logging, where a line would be lost."""
+    global _why
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.PagedOpsAttentionBackend")
-    if gpu:
-        register_backend(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.PagedOpsGPUAttentionBackend")
+    on, why = selected()
+    if not on:
+        return
+    _why = why
+    for member, cls in [(AttentionBackendEnum.CPU_ATTN, "PagedOpsAttentionBackend"),
+                        *([(AttentionBackendEnum.TRITON_ATTN, "PagedOpsGPUAttentionBackend")] if gpu else [])]:
+        path = f"{__name__}.{cls}"
+        if member.get_path() != path:
+            register_backend(member, path)
+            _replaced[member.name] = path
+
+
+_replaced: dict[str, str] = {}  # vLLM backend name -> the class path registered in its place
+_why = ""
+
+
+def _announce() -> None:
+    """One INFO line per process, through vLLM's logger, naming what replaced vLLM's backend."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    if _replaced:
+        what = ", ".join(f"{name} -> {path}" for name, path in _replaced.items())
+        _logger().info("paged_ops: %s (%s)", what, _why)
+    else:  # the classes used without register(), e.g. by a test
+        _logger().info("paged_ops: attention layers built with %s.PagedOpsAttentionImpl", __name__)
+
+
+def _logger():
+    # A child of vLLM's "vllm" logger, so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.
+    from vllm.logger import init_logger
+    return init_logger("vllm.plugins.paged_ops")
