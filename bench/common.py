@@ -294,6 +294,7 @@ def table(rows: Iterable[dict], columns: list[str]) -> str:
 RATE_KINDS = {
     "decode_attention": ("gbps", "decode: GB/s of KV cache read"),
     "reshape_and_cache": ("gbps", "cache ops: GB/s read + written"),
+    "concat_and_cache_mla": ("gbps", "cache ops: GB/s read + written"),
     "copy_blocks": ("gbps", "cache ops: GB/s read + written"),
     "swap_blocks": ("gbps", "cache ops: GB/s read + written"),
     "quantize_fp8": ("gbps", "cache ops: GB/s read + written"),

@@ -184,7 +184,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dtype", default=DEFAULT_DTYPE, choices=["float32", "bfloat16"])
     ap.add_argument("--scale", type=float, default=1.0, help="shrink counts and lengths (smoke)")
     ap.add_argument("--repeats", type=int, default=3, help="alternating timed passes per system")
-    ap.add_argument("--save", action="store_true", help="write the 'engine' section of bench/results")
+    ap.add_argument("--save", action="store_true", help="write the 'engine' section of the results file (bench.common.RESULTS_DIR)")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as d:
         model_dir = make_checkpoint(d)

@@ -118,7 +118,7 @@ def summary(rows: list[dict], max_model_len: int = MAX_MODEL_LEN) -> str:
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--save", action="store_true", help="write the 'kv_waste' section of bench/results")
+    ap.add_argument("--save", action="store_true", help="write the 'kv_waste' section of the results file (bench.common.RESULTS_DIR)")
     args = ap.parse_args(argv)
     trace = make_trace(args.requests)
     rows = sweep(trace)
