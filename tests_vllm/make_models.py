@@ -1,5 +1,5 @@
 """Tiny random Llama / Qwen2 / Mistral / Gemma 2 / gpt-oss checkpoints written with save_pretrained
-(no hub access).
+(no hub access), and a tiny byte-level BPE tokenizer for runs that take text prompts.
 
 Sizes: 2 layers, hidden 128, 4 query / 2 KV heads of head size 32 (GQA), vocab 512. The weights
 are drawn with initializer_range 0.2 (not transformers' 0.02) so the next-token logits are spread
@@ -69,4 +69,27 @@ def make(kind: str, path: str, seed: int = 0) -> str:
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_(0.0, 1.0)
     model.save_pretrained(path)
+    return path
+
+
+# Text for the tokenizer's merges: any text does, the model's weights are random.
+_CORPUS = ["The capital of France is Paris.", "Hello, my name is", "paged attention reads the KV cache block by block",
+           "vLLM runs the model; paged_ops computes its attention.", "one two three four five six seven eight nine ten"]
+
+
+def make_tokenizer(path: str) -> str:
+    """Write a byte-level BPE tokenizer (ids < COMMON's vocab_size; pad 0, bos 1, eos 2, as COMMON)
+    into the model directory path, so vLLM can take text prompts there. Idempotent."""
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return path
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=COMMON["vocab_size"], special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS * 10, trainer)
+    assert tok.get_vocab_size() <= COMMON["vocab_size"] and tok.token_to_id("</s>") == 2
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
     return path
