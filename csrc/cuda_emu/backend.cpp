@@ -14,6 +14,8 @@
 
 namespace paged {
 void emu_load_watch_begin(const void* a, size_t a_bytes, const void* b, size_t b_bytes);  // kernels_decode.cpp
+int emu_decode_rows_per_step(int cache_bytes);       // kernels_decode.cpp
+int emu_decode_rows_per_step_sm80(int cache_bytes);  // kernels_decode_sm80.cpp
 uint64_t emu_load_watch_end();
 // Device memory the host cannot read (device_memory.cpp).
 void* emu_device_alloc(size_t bytes);
@@ -52,10 +54,19 @@ inline std::atomic<int>& emulated_sms() {
   return n;
 }
 
+// Whose compiled code the emulated decode runs: sm_90's (the default) or, after a test's
+// paged_cuda_emu_test::set_emulated_arch(80), sm_80 / 86 / 89's (kernels_decode_sm80.cpp), where
+// the kernels' device code takes other choices (decode_kernel_rows_per_step).
+constexpr int kDefaultEmulatedArch = 90;
+inline std::atomic<int>& emulated_arch() {
+  static std::atomic<int> arch{kDefaultEmulatedArch};
+  return arch;
+}
+
 struct Backend {
   using Guard = paged::registration::NoGuard;
   static paged::binding::Target target(const at::Device&) {
-    return {&paged::kEmuDecode, &paged::kEmuPrefill, nullptr, &paged::kEmuCache, &paged::kEmuMerge,
+    return {emulated_arch().load() < 90 ? &paged::kEmuDecodeSm80 : &paged::kEmuDecode, &paged::kEmuPrefill, nullptr, &paged::kEmuCache, &paged::kEmuMerge,
             &paged::kEmuMergeStates, nullptr, emulated_sms().load(), copy_bytes, nullptr, /*int32_sizes=*/true};
   }
 };
@@ -114,6 +125,20 @@ int64_t set_num_sms(int64_t n) {
   return emulated_sms().exchange(n ? int(n) : kDefaultEmulatedSMs);
 }
 
+// The architecture whose code the emulated decode runs from now on (80, 86, 89: sm_80's build;
+// 90 or 0: sm_90's); returns the previous one.
+int64_t set_emulated_arch(int64_t arch) {
+  TORCH_CHECK_VALUE(arch == 0 || arch == 80 || arch == 86 || arch == 89 || arch == 90,
+                    "set_emulated_arch: ", arch, " (emulated: 80, 86, 89, 90; 0: the default, 90)");
+  return emulated_arch().exchange(arch ? int(arch) : kDefaultEmulatedArch);
+}
+
+// Token rows a step of the group-4 decode kernel takes in the emulated architecture's build.
+int64_t decode_rows_per_step(int64_t cache_bytes) {
+  const int b = int(cache_bytes);
+  return emulated_arch().load() < 90 ? paged::emu_decode_rows_per_step_sm80(b) : paged::emu_decode_rows_per_step(b);
+}
+
 // The decode plan (kernels/plan.h) decode_attention_config would launch with: [grid_x, grid_y,
 // grid_z, threads, split, partition_size, heads_per_thread, tile_tokens, smem bytes, blocks_per_sm].
 std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const Tensor& key_cache,
@@ -144,6 +169,8 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
         "Tensor? k_scale, Tensor? v_scale, int[] config, int window_left=-1, int window_right=-1, "
         "bool batch_invariant=False) -> int");
   m.def("set_num_sms(int n) -> int", &paged_cuda_emu::set_num_sms);
+  m.def("set_emulated_arch(int arch) -> int", &paged_cuda_emu::set_emulated_arch);
+  m.def("decode_rows_per_step(int cache_bytes) -> int", &paged_cuda_emu::decode_rows_per_step);
   m.def("decode_plan(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, int[] config) -> int[]");
 }

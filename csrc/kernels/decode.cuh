@@ -383,6 +383,25 @@ __device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>&
 // sh: the launch shape (plan_decode, kernels/plan.h). G heads per token group (1, 2, 4), TPT lanes
 // per token. __launch_bounds__(256, 2): at most 128 registers a thread, so four 128-thread blocks
 // (16 warps, 25% occupancy) are resident per SM.
+// The architecture the kernel is compiled for: nvcc's __CUDA_ARCH__ in device code; in the
+// emulator's builds PAGED_EMU_CUDA_ARCH (csrc/cuda_emu/kernels_decode_sm80.cpp builds the sm_80
+// choice, kernels_decode.cpp sm_90's), so both of the choices below run under the emulator.
+#if defined(__CUDA_ARCH__)
+#define PAGED_DECODE_ARCH __CUDA_ARCH__
+#elif defined(PAGED_EMU_CUDA_ARCH)
+#define PAGED_DECODE_ARCH PAGED_EMU_CUDA_ARCH
+#else
+#define PAGED_DECODE_ARCH 900
+#endif
+
+// Token rows a token group takes per step of decode_kernel<T, KV, TPT, G> (one rescale a step).
+// sm_80 / 86 / 89 allocate G = 4 tighter: the scores of even two rows a step spill 8-16 B there at
+// the 128-register cap (cuobjdump -res-usage), one row a step does not.
+template <int G, typename KV>
+PAGED_HOST_DEVICE constexpr int decode_kernel_rows_per_step() {
+  return PAGED_DECODE_ARCH < 900 && G == kMaxHeadsPerThread ? 1 : decode_rows_per_step(int(sizeof(KV)));
+}
+
 template <typename T, typename KV, int TPT, int G>
 __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, DecodeShape sh, bool split,
                                                          int partition_size, int num_partitions, float* tmp_out,
@@ -468,13 +487,7 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
   OnlineSoftmax<G> st;
   st.init();
   // Token rows of a tile per token group, in steps of kRows (one rescale a step).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  // sm_80 / 86 / 89 allocate G = 4 tighter: the scores of even two rows a step spill 8-16 B there
-  // at the 128-register cap (cuobjdump -res-usage), one row a step does not.
-  constexpr int kRows = G == kMaxHeadsPerThread ? 1 : decode_rows_per_step(int(sizeof(KV)));
-#else
-  constexpr int kRows = decode_rows_per_step(int(sizeof(KV)));
-#endif
+  constexpr int kRows = decode_kernel_rows_per_step<G, KV>();
   const int rows_per_group = ceil_div(C, gpt);
   for (int j = 0; j < kDecodeStages; ++j) locate(j);
   __syncthreads();  // the first tiles' offsets, for every thread's copies

@@ -37,7 +37,8 @@ extern const PrefillLauncher kCudaPrefill;  // csrc/cuda/prefill.cu
 extern const CacheLaunchers kCudaCache;     // csrc/cuda/cache_kernels.cu
 extern const MergeLauncher kCudaMerge;      // csrc/cuda/merge.cu
 extern const MergeStatesLauncher kCudaMergeStates;  // csrc/cuda/merge.cu
-extern const DecodeLauncher kEmuDecode;     // csrc/cuda_emu/kernels_decode.cpp
+extern const DecodeLauncher kEmuDecode;     // csrc/cuda_emu/kernels_decode.cpp (sm_90's code)
+extern const DecodeLauncher kEmuDecodeSm80; // csrc/cuda_emu/kernels_decode_sm80.cpp (sm_80's code)
 extern const PrefillLauncher kEmuPrefill;   // csrc/cuda_emu/kernels_prefill.cpp
 extern const CacheLaunchers kEmuCache;      // csrc/cuda_emu/kernels_cache.cpp
 extern const MergeLauncher kEmuMerge;       // csrc/cuda_emu/kernels_merge.cpp
