@@ -83,6 +83,9 @@ def test_readme_command_runs(tmp_path):
     tokenizer) and `python` at this venv's: it exits 0 and vLLM's log names the plugin once (the
     worker process; vLLM's default engine-core process and multiprocess executor, as a user gets)."""
     command = readme_command()
+    # Never run an install line here (it would install into whatever pip is on PATH).
+    assert not re.search(r"\bpip\b|\binstall\b", command), \
+        f"README.md: the block that runs LLM(...) should hold only that command, installs in a block of their own:\n{command}"
     assert "path/to/model" in command and re.search(r"^\S+=\S+ python ", command, re.M), command
     model = make_tokenizer(make("llama", os.path.join(MODEL_DIR, "llama")))
     command = command.replace("path/to/model", model)
