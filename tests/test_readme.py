@@ -19,3 +19,24 @@ def test_readme_cascade_example_runs():
     namespace = {}
     exec(compile(example, "README.md", "exec"), namespace)
     assert namespace["out"].isfinite().all()
+
+
+def test_readme_benchmark_command_runs(tmp_path):
+    """The README's bench.paged_attention command, as pasted (one timed round and a small copy peak
+    added, so it costs seconds), writing its results and plot outside the tree."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).parent.parent
+    blocks = re.findall(r"```bash\n(.*?)```", (root / "README.md").read_text(), re.S)
+    [command] = [b for b in blocks if "-m bench.paged_attention" in b]
+    argv = shlex.split(command.replace("\\\n", " "))
+    assert argv[:3] == [".venv/bin/python", "-m", "bench.paged_attention"], argv
+    env = os.environ | {"PAGED_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, *argv[1:], "--warmup", "0", "--iters", "1", "--peak-copy-mib", "64"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "load average" in proc.stdout and " ok" in proc.stdout
+    assert list(tmp_path.glob("*.json")) and list(tmp_path.glob("*.png"))
