@@ -281,6 +281,13 @@ def _paged(case: Case, device: str, seed: int, q_lens=None, spare_blocks: float 
                      spare_blocks=spare_blocks, spare_columns=0)
 
 
+def _slots(p, c: Case, device: str) -> torch.Tensor:
+    """int64 [num_seqs * context_len]: the cache slot of every token of every sequence of p."""
+    bt = p.block_tables.long()
+    pos = torch.arange(c.context_len, device=device)
+    return (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
+
+
 def build_args(case: Case, device: str, seed: int) -> tuple:
     """One input set: the op's positional arguments, freshly allocated."""
     g = _gen(device, seed)
@@ -293,17 +300,13 @@ def build_args(case: Case, device: str, seed: int) -> tuple:
         return p.prefill_args(torch.empty_like(p.query), True)
     if c.op == "reshape_and_cache":
         p = _paged(c, device, seed, spare_blocks=1.0)  # half the pool unused, as in a running engine
-        bt = p.block_tables.long()
-        pos = torch.arange(c.context_len, device=device)
-        slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
+        slots = _slots(p, c, device)
         k = _rand((c.num_tokens, c.num_kv_heads, c.head_size), dt, device, g)
         return (k, torch.empty_like(k).copy_(k), p.key_cache, p.value_cache, slots, p.k_scale, p.v_scale)
     if c.op == "concat_and_cache_mla":
         # one latent row per token into a one-head cache, half the pool unused
         p = _paged(replace(c, num_kv_heads=1), device, seed, spare_blocks=1.0)
-        bt = p.block_tables.long()
-        pos = torch.arange(c.context_len, device=device)
-        slots = (bt[:, pos // c.block_size] * c.block_size + pos % c.block_size).reshape(-1)
+        slots = _slots(p, c, device)
         rope_dim = mla_rope_dim(c.head_size)
         latent = _rand((c.num_tokens, c.head_size - rope_dim), dt, device, g)
         rope = _rand((c.num_tokens, rope_dim), dt, device, g)

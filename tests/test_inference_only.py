@@ -9,7 +9,7 @@ import torch
 
 import paged_ops
 from paged_ops.backends import _NAMESPACES
-from tests.test_contract import op_samples
+from tests.test_contract import decode_case, op_samples
 
 
 def _float_tensors(args):
@@ -88,7 +88,7 @@ def test_written_arguments_get_a_new_version(op):
 
 def test_no_output_without_grad_fn_from_a_query_requiring_grad():
     """The complaint this guards: an output with no grad_fn, and backward() failing far away."""
-    case = make_small_decode()
+    case = decode_case()
     out = torch.full_like(case.query, float("nan"))
     query = case.query.clone().requires_grad_()
     args = list(case.decode_args(out))
@@ -97,7 +97,3 @@ def test_no_output_without_grad_fn_from_a_query_requiring_grad():
         torch.ops.paged.decode_attention(*args)
     assert torch.isnan(out).all()
 
-
-def make_small_decode():
-    from paged_ops.testing import make_case
-    return make_case([3, 17], num_heads=4, num_kv_heads=2, head_size=64, block_size=8)
