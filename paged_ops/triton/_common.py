@@ -160,6 +160,83 @@ def head_pad(head_size: int) -> int:
     return max(16, next_pow2(head_size))
 
 
+def key_split(head_size: int) -> tuple[int, int]:
+    """(HEAD_MAIN, HEAD_REST) of a key head size: the query and key columns as a power-of-two
+    main tile plus a power-of-two remainder tile (HEAD_REST 0: one tile of head_pad columns).
+
+    Why split: a tile's width is a power of two, and padding the key dimension to one wastes
+    every padded column in registers (q), shared memory (the staged K tile) and the dot's K
+    extent: MLA's 576 = 512 + 64 would be a 1024-wide tile (44% padding), DeepSeek's prefill key
+    of 192 = 128 + 64 a 256-wide one. Two dots accumulating into the same score tile are the
+    same tensor-core work as one dot over the concatenated columns (an MMA's K extent is a sum
+    of chunks anyway), so the split costs nothing but the padding it removes; vLLM's Triton MLA
+    decode does the same (BLOCK_DMODEL 512 + BLOCK_DPE 64). The remainder's mask is a
+    compile-time constant, so its loads stay vectorized. Split only where it saves columns
+    (main + rest < head_pad): 64, 128, 256 (no remainder) and e.g. 104 = 64 + 40 -> 64 + 64 keep
+    one tile. Values are not split: MLA's value widths (512 absorbed, 128 non-absorbed) are
+    powers of two, and a split accumulator would double the P @ V dots and every epilogue store.
+    """
+    head_size = int(head_size)
+    pad = head_pad(head_size)
+    main = max(16, 1 << (head_size.bit_length() - 1))  # the largest power of two <= head_size
+    if head_size <= main:
+        return pad, 0
+    rest = max(16, next_pow2(head_size - main))  # >= 16: tl.dot's K
+    return (main, rest) if main + rest < pad else (pad, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDims:
+    """Head sizes of one attention call: keys and queries ``head_size`` (Dk), values and out
+    ``value_size`` (Dv <= Dk, MLA), and their tiles (key_split, head_pad)."""
+    head_size: int
+    value_size: int
+
+    @classmethod
+    def of(cls, query: torch.Tensor, value_cache: torch.Tensor) -> "HeadDims":
+        return cls(int(query.shape[-1]), int(value_cache.shape[-1]))
+
+    @property
+    def main(self) -> int:
+        return key_split(self.head_size)[0]
+
+    @property
+    def rest(self) -> int:
+        return key_split(self.head_size)[1]
+
+    @property
+    def key_width(self) -> int:
+        """Columns of the q and K tiles (main + rest)."""
+        return self.main + self.rest
+
+    @property
+    def value_pad(self) -> int:
+        return head_pad(self.value_size)
+
+    @property
+    def config_pad(self) -> int:
+        """The width default configs are chosen by: the power of two covering the wider of the K
+        and V tiles. For Dk == Dv it is head_pad(head_size), as before values had their own size."""
+        return next_pow2(max(self.key_width, self.value_pad))
+
+    def constexprs(self) -> dict:
+        return {"HEAD_SIZE": self.head_size, "HEAD_MAIN": self.main, "HEAD_REST": self.rest,
+                "VALUE_SIZE": self.value_size, "VALUE_PAD": self.value_pad}
+
+
+def value_is_key_main(key_cache: torch.Tensor, value_cache: torch.Tensor, dims: HeadDims) -> bool:
+    """Constexpr V_FROM_K: value_cache is exactly the columns of key_cache's main tile (absorbed
+    MLA: value_cache = key_cache[..., :512] of a 576-wide latent), so the kernels take each V
+    tile from the K tile already loaded instead of reading the latent a second time. Same
+    storage, element offset, strides and dtype, and Dv the main tile's valid columns."""
+    if value_cache.dtype != key_cache.dtype or value_cache.data_ptr() != key_cache.data_ptr():
+        return False
+    if value_cache.stride()[:3] != key_cache.stride()[:3]:
+        return False
+    valid_main = dims.main if dims.rest else dims.head_size
+    return dims.value_size == valid_main and dims.value_pad == dims.main
+
+
 def device_guard(t: torch.Tensor):
     """Triton launches on the current CUDA device: make it the tensors' device."""
     return torch.cuda.device(t.device) if t.device.type == "cuda" else contextlib.nullcontext()

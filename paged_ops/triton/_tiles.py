@@ -67,23 +67,64 @@ def locate_tokens(table_row_ptr, pos, valid, KV_BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                 stride_block, stride_token, stride_head, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
-                 ROW_ALIGN: tl.constexpr):
-    """K or V rows of the located tokens: [BLOCK_N, HEAD_PAD] in COMPUTE_DTYPE.
+def kv_rows(block_ids, offsets, kv_head, strides, ROW_ALIGN: tl.constexpr):
+    """Element offsets of the located tokens' rows of one KV head: [BLOCK_N] int64.
 
-    block_ids, offsets, valid: [BLOCK_N]; dims, dim_mask: [HEAD_PAD]. Invalid rows and padded
-    columns load 0 without touching memory: unused cache slots may hold NaN. ROW_ALIGN: see
-    row_align().
-    """
+    strides: (block, token, head). ROW_ALIGN: see row_align()."""
     # int64 throughout: a head-major cache of a few G elements puts kv_head * stride_head past 2^31.
-    rows = block_ids * stride_block + offsets * stride_token + kv_head.to(tl.int64) * stride_head
-    rows = tl.multiple_of(rows, ROW_ALIGN)
+    rows = block_ids * strides[0] + offsets * strides[1] + kv_head.to(tl.int64) * strides[2]
+    return tl.multiple_of(rows, ROW_ALIGN)
+
+
+@triton.jit
+def load_rows(cache_ptr, rows, valid, dims, dim_mask, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr):
+    """Columns ``dims`` of K or V rows (kv_rows): [BLOCK_N, len(dims)] in COMPUTE_DTYPE.
+
+    valid: [BLOCK_N]; dims, dim_mask: the tile's columns. Invalid rows and padded columns load 0
+    without touching memory: unused cache slots may hold NaN.
+    """
     tile = tl.load(cache_ptr + rows[:, None] + dims[None, :],
                    mask=valid[:, None] & dim_mask[None, :], other=0)
     if FP8_FORMAT != FP8_NONE:
         tile = fp8_bits_to_float(tile, FP8_FORMAT)
     return tile.to(COMPUTE_DTYPE)
+
+
+@triton.jit
+def load_q(q_ptr, q_rows, row_mask, dims, COMPUTE_DTYPE: tl.constexpr, HEAD_REST: tl.constexpr):
+    """(q_main, q_rest) of query rows at element offsets q_rows [BLOCK_M]: the key_split tiles
+    (dims: head_dims' tuple); without a remainder (HEAD_REST 0) q_rest is q_main, never read.
+    Padded rows and columns are 0."""
+    k_dims, k_mask, r_dims, r_mask, _, _ = dims
+    q = tl.load(q_ptr + q_rows[:, None] + k_dims[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                other=0.0).to(COMPUTE_DTYPE)
+    if HEAD_REST > 0:
+        q_rest = tl.load(q_ptr + q_rows[:, None] + r_dims[None, :], mask=row_mask[:, None] & r_mask[None, :],
+                         other=0.0).to(COMPUTE_DTYPE)
+    else:
+        q_rest = q
+    return q, q_rest
+
+
+@triton.jit
+def head_dims(HEAD_SIZE: tl.constexpr, HEAD_MAIN: tl.constexpr, HEAD_REST: tl.constexpr,
+              VALUE_SIZE: tl.constexpr, VALUE_PAD: tl.constexpr):
+    """(k_dims, k_mask, r_dims, r_mask, v_dims, v_mask): the columns of the key main tile
+    [HEAD_MAIN], of the key remainder tile [HEAD_REST] (from HEAD_MAIN on; with HEAD_REST 0 the
+    main tile's, never read) and of V / out [VALUE_PAD], with their masks against HEAD_SIZE and
+    VALUE_SIZE (constexprs: the masks have compile-time constancy, which is what lets Triton
+    vectorize the row loads). See _common.key_split."""
+    k_dims = tl.arange(0, HEAD_MAIN)
+    k_mask = k_dims < HEAD_SIZE
+    if HEAD_REST > 0:
+        r_dims = HEAD_MAIN + tl.arange(0, HEAD_REST)
+        r_mask = r_dims < HEAD_SIZE
+    else:
+        r_dims = k_dims
+        r_mask = k_mask
+    v_dims = tl.arange(0, VALUE_PAD)
+    v_mask = v_dims < VALUE_SIZE
+    return k_dims, k_mask, r_dims, r_mask, v_dims, v_mask
 
 
 @triton.jit
@@ -150,13 +191,19 @@ def soft_cap(s, cap_log2, inv_cap):
 
 
 @triton.jit
-def score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+def score_tile(q, k, q_rest, k_rest, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HEAD_REST: tl.constexpr):
     """Scores of a tile in base 2 (natural score * log2(e)): [BLOCK_M, BLOCK_N].
 
-    q: [BLOCK_M, HEAD_PAD], k: [BLOCK_N, HEAD_PAD]; qk_scale = scale * k_scale * log2(e).
+    q: [BLOCK_M, HEAD_MAIN], k: [BLOCK_N, HEAD_MAIN], and with HEAD_REST the remainder columns
+    q_rest [BLOCK_M, HEAD_REST], k_rest [BLOCK_N, HEAD_REST], accumulated into the same scores
+    (key_split); qk_scale = scale * k_scale * log2(e).
     HAS_SOFTCAP: soft_cap with softcap_log2 = softcap * log2(e), inv_softcap = 1 / softcap.
     """
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HEAD_REST > 0:
+        s = tl.dot(q_rest, tl.trans(k_rest), s, input_precision=DOT_PRECISION)
+    s = s * qk_scale
     if HAS_SOFTCAP:
         s = soft_cap(s, softcap_log2, inv_softcap)
     return s
@@ -194,16 +241,20 @@ def online_softmax_weights(s, s_mask, m_i, l_i, COMPUTE_DTYPE: tl.constexpr, ROU
 
 
 @triton.jit
-def attend_tiles(start, end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows, scores, kv, dims, dim_mask,
+def attend_tiles(start, end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows, scores, kv, dims,
                  KV_BLOCK_SIZE: tl.constexpr, FP8_FORMAT: tl.constexpr, COMPUTE_DTYPE: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr, ROW_ALIGN: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr):
+                 HAS_WINDOW: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_REST: tl.constexpr, V_FROM_K: tl.constexpr):
     """The flash loop of decode and prefill: the KV tiles [start, end) (steps of BLOCK_N, keys
     below kv_end) folded into the rows' running max m_i, sum l_i and accumulator acc ([BLOCK_M],
-    [BLOCK_M], [BLOCK_M, HEAD_PAD] fp32). Returns (m_i, l_i, acc, hidden_nonfinite).
+    [BLOCK_M], [BLOCK_M, VALUE_PAD] fp32). Returns (m_i, l_i, acc, hidden_nonfinite).
 
-    q: [BLOCK_M, HEAD_PAD] in COMPUTE_DTYPE; dims, dim_mask: [HEAD_PAD]. The tuples:
+    q: (q_main, q_rest) from load_q, in COMPUTE_DTYPE; dims: head_dims' tuple (key main and
+    remainder columns, value columns; HEAD_REST 0: no remainder). V_FROM_K: V is the K main tile
+    itself (value_cache is key_cache's first VALUE_SIZE columns, _common.value_is_key_main): each
+    latent row is read once, for the scores and the values. The tuples:
       rows = (q_abs, alibi, seq_len, window_left, window_right, all_lo, all_hi): each row's position
         p and ALiBi slope (base 2; unused without HAS_ALIBI) ([BLOCK_M] each), what visible_keys
         needs besides them (with CAUSAL, HAS_WINDOW, HAS_WINDOW_RIGHT; read by MASKED tiles only),
@@ -224,15 +275,25 @@ def attend_tiles(start, end, kv_end, m_i, l_i, acc, hidden_nonfinite, q, rows, s
     q_abs, alibi, seq_len, window_left, window_right, all_lo, all_hi = rows
     qk_scale, softcap_log2, inv_softcap = scores
     table_row, kv_head, k_cache_ptr, k_strides, v_cache_ptr, v_strides = kv
+    q_main, q_rest = q
+    k_dims, k_mask, r_dims, r_mask, v_dims, v_mask = dims
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < kv_end
         block_ids, offsets = locate_tokens(table_row, pos, valid, KV_BLOCK_SIZE)
-        k = load_kv_tile(k_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         k_strides[0], k_strides[1], k_strides[2], FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        v = load_kv_tile(v_cache_ptr, block_ids, offsets, valid, kv_head, dims, dim_mask,
-                         v_strides[0], v_strides[1], v_strides[2], FP8_FORMAT, COMPUTE_DTYPE, ROW_ALIGN)
-        s = score_tile(q, k, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP)
+        k_rows = kv_rows(block_ids, offsets, kv_head, k_strides, ROW_ALIGN)
+        k = load_rows(k_cache_ptr, k_rows, valid, k_dims, k_mask, FP8_FORMAT, COMPUTE_DTYPE)
+        if HEAD_REST > 0:
+            k_rest = load_rows(k_cache_ptr, k_rows, valid, r_dims, r_mask, FP8_FORMAT, COMPUTE_DTYPE)
+        else:
+            k_rest = k
+        if V_FROM_K:
+            v = k
+        else:
+            v = load_rows(v_cache_ptr, kv_rows(block_ids, offsets, kv_head, v_strides, ROW_ALIGN), valid, v_dims,
+                          v_mask, FP8_FORMAT, COMPUTE_DTYPE)
+        s = score_tile(q_main, k, q_rest, k_rest, qk_scale, softcap_log2, inv_softcap, DOT_PRECISION, HAS_SOFTCAP,
+                       HEAD_REST)
         if HAS_ALIBI:  # slope * (j - p)
             s += alibi[:, None] * (pos[None, :] - q_abs[:, None]).to(tl.float32)
         visible = valid[None, :]
@@ -312,7 +373,7 @@ def finish_and_store(acc, m_i, l_i, v_scale, out_ptr, out_rows, dims, out_mask, 
     lse_ptr + lse_rows (row_mask); the rows' sinks are sinks_ptr[heads] (read with HAS_SINKS).
     out_rows, lse_rows, heads: [BLOCK_M] offsets. Returns the rows' base-2 lse.
 
-    Offsets, not pointer tensors: the [BLOCK_M, HEAD_PAD] 64-bit out pointers are formed once acc
+    Offsets, not pointer tensors: the [BLOCK_M, VALUE_PAD] 64-bit out pointers are formed once acc
     is scaled, a live pointer tensor beside acc cost true-fp32 prefill 20 registers on sm_80."""
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0)

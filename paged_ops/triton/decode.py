@@ -1,8 +1,11 @@
 """Paged decode attention (one query token per sequence), flash-decoding style.
 
-Grid: (seq, kv_head, split). One program handles a KV head's whole query group: the group's
-query heads are packed into the M dimension of ``tl.dot`` (padded to >= 16) so every KV tile
-is loaded once per group instead of once per query head. When seqs x kv_heads cannot fill
+Grid: (seq, kv_head x head block, split). One program handles a KV head's query group (or, for
+groups wider than the accumulator allows, BLOCK_M heads of it: block_rows): the heads are packed
+into the M dimension of ``tl.dot`` (padded to >= 16) so every KV tile is loaded once per program
+for all the heads it serves instead of once per query head. Absorbed MLA (one latent KV head,
+16-128 query heads, value = the latent's first 512 columns) is this with V taken from the K tile
+(V_FROM_K): each latent row is read once per program. When seqs x kv_heads cannot fill
 the GPU, each sequence's KV is cut into ``num_splits`` partitions processed by different
 programs; a second kernel merges the partial results by their log-sum-exp.
 
@@ -21,10 +24,11 @@ import triton
 import triton.language as tl
 
 from . import autotune
-from ._common import (INTERPRET, LOG2E, compute_dtype, device_guard, device_name, dot_precision,
-                      fp8_format, head_pad, is_fp8, kv_view, next_pow2, num_sms, round_bf16, row_align, scale_arg,
-                      tl_dtype, Variants)
-from ._tiles import attend_tiles, finish_and_store, join_sink, load_scale, row_lse, store_rows, visible_keys
+from ._common import (INTERPRET, LOG2E, HeadDims, compute_dtype, device_guard, device_name, dot_precision,
+                      fp8_format, is_fp8, kv_view, next_pow2, num_sms, round_bf16, row_align, scale_arg,
+                      tl_dtype, value_is_key_main, Variants)
+from ._tiles import (attend_tiles, finish_and_store, head_dims, join_sink, load_q, load_scale, row_lse, store_rows,
+                     visible_keys)
 
 PLAIN = Variants()  # no variant: the plain kernel
 
@@ -91,14 +95,18 @@ def _decode_kernel(
         ROW_ALIGN: tl.constexpr, SPLIT: tl.constexpr, VARLEN_ROWS: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr,
         WRITE_LSE: tl.constexpr, HAS_WINDOW_RIGHT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_PAD: tl.constexpr):
-    # Shapes are constexpr: masks against HEAD_SIZE then have compile-time constancy, which
-    # is what lets Triton vectorize the K/V row loads.
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_MAIN: tl.constexpr, HEAD_REST: tl.constexpr,
+        VALUE_SIZE: tl.constexpr, VALUE_PAD: tl.constexpr, V_FROM_K: tl.constexpr):
+    # Shapes are constexpr: masks against HEAD_SIZE / VALUE_SIZE then have compile-time constancy,
+    # which is what lets Triton vectorize the K/V row loads. q and K: HEAD_SIZE columns as the
+    # key_split tiles HEAD_MAIN + HEAD_REST; V, out and the partials: VALUE_SIZE (<= HEAD_SIZE).
+    HEAD_BLOCKS: tl.constexpr = (GROUP_SIZE + BLOCK_M - 1) // BLOCK_M  # programs per KV head
     local_row = tl.program_id(0).to(tl.int64)  # row within this launch (the partials' index)
     row = row_offset + local_row  # query row: a sequence (decode) or a prefill row (VARLEN_ROWS)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
     split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP_SIZE
+    num_heads = (tl.num_programs(1) // HEAD_BLOCKS) * GROUP_SIZE
     seq, pos_q, kv_lo, kv_hi = _row_keys(row, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, causal, window_left,
                                          window_right, VARLEN_ROWS, HAS_WINDOW, HAS_WINDOW_RIGHT)
     # Partitions cover the visible keys only: a window skips every block before it. Every key of
@@ -112,17 +120,17 @@ def _decode_kernel(
     # lse -inf (or the sink's): finish_rows.
     end = tl.minimum(start + partition_size, kv_hi)
 
-    rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < GROUP_SIZE
-    # The query heads sharing this KV head; int64 so head * stride never wraps.
-    heads = (kv_head * GROUP_SIZE + rows).to(tl.int64)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_mask = dims < HEAD_SIZE
+    in_group = head_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = in_group < GROUP_SIZE
+    # The query heads sharing this KV head (this program's block of them); int64 so head *
+    # stride never wraps.
+    heads = (kv_head * GROUP_SIZE + in_group).to(tl.int64)
+    dims = head_dims(HEAD_SIZE, HEAD_MAIN, HEAD_REST, VALUE_SIZE, VALUE_PAD)
+    _, _, _, _, v_dims, v_mask = dims
 
-    # q: [BLOCK_M, HEAD_PAD]; padded rows are 0 and simply never stored.
+    # q: [BLOCK_M, HEAD_MAIN] (+ [BLOCK_M, HEAD_REST]); padded rows are 0 and simply never stored.
     q_rows = tl.multiple_of(row * q_stride_token + heads * q_stride_head, ROW_ALIGN)
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :],
-                mask=row_mask[:, None] & dim_mask[None, :], other=0.0).to(COMPUTE_DTYPE)
+    q = load_q(q_ptr, q_rows, row_mask, dims, COMPUTE_DTYPE, HEAD_REST)
     # fp8 caches: k_scale folds into the score scale, v_scale into the final output.
     qk_scale = qk_scale_log2 * load_scale(k_scale_ptr, seq, kv_head, k_scale_seq_stride, k_scale_head_stride)
     if HAS_ALIBI:  # slope * (j - p) in base 2: [BLOCK_M]
@@ -132,30 +140,31 @@ def _decode_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, VALUE_PAD], tl.float32)
     # Every position of [start, end) is visible to every row (one query token's heads): the fast
     # path, whose first tile is never empty.
     rows_keys = (pos_q + tl.zeros([BLOCK_M], tl.int32), alibi, 0, window_left, window_right, kv_lo, kv_hi)
     kv = (block_tables_ptr + seq * block_table_stride, kv_head, k_cache_ptr, (k_stride_block, k_stride_token,
           k_stride_head), v_cache_ptr, (v_stride_block, v_stride_token, v_stride_head))
     m_i, l_i, acc, _ = attend_tiles(start, end, end, m_i, l_i, acc, 0, q, rows_keys,
-                                    (qk_scale, softcap_log2, inv_softcap), kv, dims, dim_mask,
+                                    (qk_scale, softcap_log2, inv_softcap), kv, dims,
                                     KV_BLOCK_SIZE, FP8_FORMAT, COMPUTE_DTYPE, DOT_PRECISION, ROUND_BF16, ROW_ALIGN,
-                                    HAS_SOFTCAP, HAS_ALIBI, False, True, HAS_WINDOW, False, BLOCK_N)
+                                    HAS_SOFTCAP, HAS_ALIBI, False, True, HAS_WINDOW, False, BLOCK_N, HEAD_REST,
+                                    V_FROM_K)
 
-    out_mask = row_mask[:, None] & dim_mask[None, :]
+    out_mask = row_mask[:, None] & v_mask[None, :]
     v_scale = load_scale(v_scale_ptr, seq, kv_head, v_scale_seq_stride, v_scale_head_stride)
     if SPLIT:
-        # part_out: [rows, num_heads, num_splits, head_size] fp32; part_lse: [.., num_splits]. The
+        # part_out: [rows, num_heads, num_splits, value_size] fp32; part_lse: [.., num_splits]. The
         # sink joins once, in the reduce. A partition that exists holds keys: l_i >= 1.
         out = acc * (v_scale / l_i[:, None])
         part = (local_row * num_heads + heads) * num_splits + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_SIZE + dims[None, :], out, mask=out_mask)
+        tl.store(part_out_ptr + part[:, None] * VALUE_SIZE + v_dims[None, :], out, mask=out_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=row_mask)
     else:
         # lse: [rows, num_heads] float32, natural log
         out_rows = tl.multiple_of(row * o_stride_token + heads * o_stride_head, ROW_ALIGN)
-        finish_and_store(acc, m_i, l_i, v_scale, out_ptr, out_rows, dims, out_mask, lse_ptr, row * num_heads + heads,
+        finish_and_store(acc, m_i, l_i, v_scale, out_ptr, out_rows, v_dims, out_mask, lse_ptr, row * num_heads + heads,
                          sinks_ptr, heads, row_mask, HAS_SINKS, WRITE_LSE, ROUND_BF16)
 
 
@@ -164,13 +173,13 @@ def _decode_kernel(
 def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_seqlens_q_ptr, sinks_ptr, lse_ptr,
                           window_left, window_right, partition_size, num_splits, num_seqs, row_offset, causal,
                           o_stride_token, o_stride_head,
-                          HEAD_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr, VARLEN_ROWS: tl.constexpr,
+                          VALUE_SIZE: tl.constexpr, ROUND_BF16: tl.constexpr, VARLEN_ROWS: tl.constexpr,
                           HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, WRITE_LSE: tl.constexpr,
-                          HAS_WINDOW_RIGHT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, HEAD_PAD: tl.constexpr):
+                          HAS_WINDOW_RIGHT: tl.constexpr, SPLIT_CHUNK: tl.constexpr, VALUE_PAD: tl.constexpr):
     # Grid: (row, head). Merge the partitions that hold tokens, weighted by exp2(lse - max), in
     # one fixed order for a row (its partition count depends on the row alone).
     # SPLIT_CHUNK partitions at a time: batch-1 long-context decode uses hundreds of splits,
-    # and holding them all ([splits, HEAD_PAD] fp32) spills registers.
+    # and holding them all ([splits, VALUE_PAD] fp32) spills registers.
     local_row = tl.program_id(0).to(tl.int64)
     row = row_offset + local_row
     head = tl.program_id(1).to(tl.int64)
@@ -192,16 +201,16 @@ def _decode_reduce_kernel(out_ptr, part_out_ptr, part_lse_ptr, seq_lens_ptr, cu_
         sink = 0.0
         # No partition (a row without keys): weights 0, not exp2(-inf - -inf).
         m = tl.where(m == float("-inf"), 0.0, m)
-    dims = tl.arange(0, HEAD_PAD)
-    dim_mask = dims < HEAD_SIZE
+    dims = tl.arange(0, VALUE_PAD)
+    dim_mask = dims < VALUE_SIZE
     weight_sum = tl.zeros([SPLIT_CHUNK], tl.float32)
-    acc = tl.zeros([HEAD_PAD], tl.float32)
+    acc = tl.zeros([VALUE_PAD], tl.float32)
     for c in range(0, num_parts, SPLIT_CHUNK):
         splits = first + c + chunk
         split_mask = c + chunk < num_parts
         w = tl.exp2(tl.load(part_lse_ptr + splits, mask=split_mask, other=float("-inf")) - m)
         weight_sum += w
-        parts = tl.load(part_out_ptr + splits[:, None] * HEAD_SIZE + dims[None, :],
+        parts = tl.load(part_out_ptr + splits[:, None] * VALUE_SIZE + dims[None, :],
                         mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
         acc += tl.sum(parts * w[:, None], 0)
     total = tl.sum(weight_sum, 0)
@@ -226,23 +235,33 @@ REDUCE_SPLIT_CHUNK = 16
 DEFAULT_CONFIG = {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
 
 
-def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None) -> dict:
+def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
+                          value_head_size: int | None = None) -> dict:
     """Config used when tuning is off (interpreter, PAGED_OPS_TRITON_AUTOTUNE=0) or finds nothing.
 
     Chosen from sm_80 and sm_90 ahead-of-time compiles without spills (tests/test_triton_compile.py):
     true-fp32 dots run on FMA units and need smaller tiles or more warps than 16-bit tensor-core
-    dots, and decoding fp8 bytes to fp32 operands costs registers on top.
+    dots, and decoding fp8 bytes to fp32 operands costs registers on top. Keyed by the wider of
+    the K and V tiles (HeadDims.config_pad; head_pad(head_size) when Dk == Dv).
     """
     if INTERPRET:
         return dict(DEFAULT_CONFIG)
-    pad = head_pad(head_size)
-    if dtype == torch.float32 and cache_dtype is not None and is_fp8(cache_dtype):
+    pad = HeadDims(head_size, value_head_size or head_size).config_pad
+    fp8_cache = cache_dtype is not None and is_fp8(cache_dtype)
+    if pad > 256:
+        # MLA's 576-wide latent (512 + 64 tiles) and values up to 576 (a 1024-wide accumulator):
+        # fewer keys per tile, 8 warps so the q tile, the K tile and the accumulator spread over
+        # more registers (block_rows also caps the heads per program by the value width).
+        if dtype == torch.float32:
+            return {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
+        return {"BLOCK_N": 16 if fp8_cache else 32, "num_warps": 8, "num_stages": 2, "split_scale": 1.0}
+    if dtype == torch.float32 and fp8_cache:
         # Pipelining the byte loads (num_stages 2) takes every register and still spills.
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
     if dtype == torch.float32 and pad > 64:
         # num_stages 2 spilled 8 B on sm_90 once issue #27's kernel changes were in
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
-    if pad == 128 and cache_dtype is not None and is_fp8(cache_dtype):
+    if pad == 128 and fp8_cache:
         # fp8 bytes widened to 128-wide 16-bit rows: 64-token tiles spill a few bytes (4 warps on
         # sm_80, 8 warps on sm_90).
         return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 1.0}
@@ -252,19 +271,40 @@ def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch
 
 
 def default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch.dtype | None = None,
-                   variants: Variants = PLAIN) -> dict:
+                   variants: Variants = PLAIN, value_head_size: int | None = None) -> dict:
     """_plain_default_config, with smaller tiles where the variants' per-score work (the cap's
     tanh, ALiBi's bias, the window's mask) made the sm_80/sm_90 compile spill
     (tests/test_triton_compile.py, variant matrix): fp32 rows of 256 spilled 24 B with 32-key
-    tiles. A fixed function of the shapes and flags, so the batch-invariant mode may use it."""
-    config = _plain_default_config(head_size, dtype, cache_dtype)
+    tiles. A fixed function of the shapes and flags, so the batch-invariant mode may use it.
+    value_head_size: Dv (default head_size)."""
+    config = _plain_default_config(head_size, dtype, cache_dtype, value_head_size)
     if INTERPRET or not variants.heavy_scores:
         return config
-    if dtype == torch.float32 and not (cache_dtype is not None and is_fp8(cache_dtype)) and head_pad(head_size) > 128:
+    pad = HeadDims(head_size, value_head_size or head_size).config_pad
+    fp8_cache = cache_dtype is not None and is_fp8(cache_dtype)
+    if dtype == torch.float32 and not fp8_cache and pad > 128:
         config["BLOCK_N"] = 16
-    if dtype == torch.float32 and cache_dtype is not None and is_fp8(cache_dtype) and head_pad(head_size) == 128:
+    if dtype == torch.float32 and fp8_cache and pad == 128:
         config["BLOCK_N"] = 16  # 32-key tiles spilled 8 B on sm_90 with every variant on (#27's masking)
     return config
+
+
+# The fp32 accumulator of one decode program ([BLOCK_M, VALUE_PAD]) is held to this many elements
+# per warp (64 registers a thread): a group wider than that is served by several programs.
+ACC_ELEMENTS_PER_WARP = 2048
+
+
+def block_rows(group_size: int, value_pad: int, num_warps: int) -> int:
+    """BLOCK_M of the decode kernel: the query heads one program serves (>= 16, tl.dot's M).
+
+    The whole GQA group while its accumulator fits ACC_ELEMENTS_PER_WARP: every K/V tile is then
+    read once for all the group's heads. Wider, the group is cut into blocks of this many heads
+    (grid axis 1 = KV heads x blocks), each block a program reading the tile once for its
+    heads: absorbed MLA's 16 heads x 512 values take one program (4 warps: 16 x 512 = 8192
+    elements), its 128 heads 8 programs of 16 (4 warps) or 4 of 32 (8 warps); without the cap a
+    128 x 512 fp32 accumulator would be 256 registers a thread at 8 warps and spill. A function of
+    the shapes and num_warps only, so the batch-invariant mode's fixed config fixes it too."""
+    return min(max(16, next_pow2(group_size)), max(16, ACC_ELEMENTS_PER_WARP * num_warps // value_pad))
 
 
 def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:
@@ -275,12 +315,22 @@ def max_len_bound(block_tables: torch.Tensor, block_size: int) -> int:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_len: int, block_n: int,
                       sms: int, split_scale: float = 1.0) -> int:
     """Flash-decoding split count: enough programs to cover ~2 waves of SMs, but never a
-    partition shorter than one tile (FlashInfer/FA2 use the same occupancy argument)."""
+    partition shorter than one tile (FlashInfer/FA2 use the same occupancy argument).
+    num_kv_heads: the programs of one sequence (KV heads x head blocks, block_rows)."""
     programs = num_seqs * num_kv_heads
     target = max(1, int(2 * sms * split_scale))
     if programs >= target:
         return 1
     return max(1, min(math.ceil(target / programs), math.ceil(max_len / block_n)))
+
+
+def programs_per_sequence(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          config: dict) -> int:
+    """Decode programs of one sequence (one split): KV heads x head blocks (block_rows)."""
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    rows = block_rows(group, HeadDims.of(query, value_cache).value_pad, config["num_warps"])
+    return num_kv_heads * math.ceil(group / rows)
 
 
 def partition_for(max_len: int, num_splits: int, block_n: int) -> tuple[int, int]:
@@ -299,20 +349,34 @@ def visible_bound(max_len: int, variants: Variants, causal: bool = True) -> int:
     return max_len
 
 
-def tuning_key(query, key_cache, block_tables, variants: Variants = PLAIN) -> tuple:
+def value_key(query, key_cache, value_cache) -> tuple:
+    """The part of a tuning key for values of their own head size (MLA): () when Dv == Dk and
+    the caches are apart, so those calls keep their stored configs; else ("v<Dv>") and
+    "-latent" when V is read from the K tile (value_is_key_main: another kernel)."""
+    if value_cache is None:
+        return ()
+    dims = HeadDims.of(query, value_cache)
+    latent = value_is_key_main(key_cache, value_cache, dims)
+    if dims.value_size == dims.head_size and not latent:
+        return ()
+    return (f"v{dims.value_size}" + ("-latent" if latent else ""),)
+
+
+def tuning_key(query, key_cache, block_tables, variants: Variants = PLAIN, value_cache=None) -> tuple:
     num_seqs, num_heads, head_size = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     max_len = max_len_bound(block_tables, block_size)
     return (block_size, head_size, num_heads, num_kv_heads, next_pow2(max_len),
             next_pow2(num_seqs * num_kv_heads), str(query.dtype), str(key_cache.dtype),
-            autotune.cache_layout(key_cache)) + variants.key()
+            autotune.cache_layout(key_cache)) + value_key(query, key_cache, value_cache) + variants.key()
 
 
-def _candidates(head_size: int, dtype: torch.dtype) -> list[dict]:
+def _candidates(head_size: int, dtype: torch.dtype, value_head_size: int | None = None) -> list[dict]:
     # split_scale changes only the grid (no recompilation), so it is cheap to sweep; tile
     # configs that exceed shared memory fail to compile and are skipped by the tuner.
-    wide = head_pad(head_size) * (2 if dtype == torch.float32 else 1) > 128
-    block_ns = (16, 32, 64) if wide else (32, 64, 128)
+    pad = HeadDims(head_size, value_head_size or head_size).config_pad
+    wide = pad * (2 if dtype == torch.float32 else 1) > 128
+    block_ns = (16, 32) if pad > 256 else (16, 32, 64) if wide else (32, 64, 128)
     return [{"BLOCK_N": bn, "num_warps": w, "num_stages": st, "split_scale": ss}
             for bn in block_ns for w in (4, 8) for st in (2, 3) for ss in (0.5, 1.0, 2.0)]
 
@@ -323,8 +387,10 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
     """out[s] = softmax(scale * q[s] K_s^T) V_s over the first seq_lens[s] cached tokens, with the
     variants of paged_ops.reference.attention.
 
-    out, query: [num_seqs, num_heads, head_size]; caches: [num_blocks, block_size, num_kv_heads,
-    head_size] (any strides); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
+    query: [num_seqs, num_heads, head_size]; out: [num_seqs, num_heads, value_head_size]; caches:
+    [num_blocks, block_size, num_kv_heads, head_size / value_head_size] (any strides; value_cache
+    may be a view into key_cache, as absorbed MLA's key_cache[..., :512]); block_tables:
+    [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     lse: [num_seqs, num_heads] float32. batch_invariant: the row-wise path (run_rows) that prefill
     rows take too, with a fixed config and split size. window_right changes nothing (decode is
     causal: a row stops at its own position). A sequence of 0 tokens gets out 0, lse -inf.
@@ -336,17 +402,17 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
         run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, rows, True, scale, k_scale, v_scale,
                  variants)
         return
-    key = tuning_key(query, key_cache, block_tables, variants)
+    key = tuning_key(query, key_cache, block_tables, variants, value_cache)
 
     def bench(config):
         return autotune.benchmark_ms(lambda: run_decode(
             out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config,
             variants=variants))
 
-    head_size, dtype = query.shape[2], query.dtype
+    head_size, dtype, value_size = query.shape[2], query.dtype, value_cache.shape[3]
     config = autotune.TUNERS["decode_attention"].choose(
-        device_name(query.device), key, default_config(head_size, dtype, key_cache.dtype, variants),
-        _candidates(head_size, dtype), bench)
+        device_name(query.device), key, default_config(head_size, dtype, key_cache.dtype, variants, value_size),
+        _candidates(head_size, dtype, value_size), bench)
     run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale, config,
                variants=variants)
 
@@ -357,18 +423,18 @@ def config_for(out, query, key_cache, value_cache, block_tables, seq_lens, scale
     """The config a decode_attention call with these arguments would use, plus its split
     count (``num_splits``); runs and benchmarks nothing."""
     variants = Variants(float(softcap), int(window_left), sinks, alibi_slopes, lse)
-    head_size, dtype = query.shape[2], query.dtype
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    head_size, dtype, value_size = query.shape[2], query.dtype, value_cache.shape[3]
+    block_size = key_cache.shape[1]
     if batch_invariant:
-        config = default_config(head_size, dtype, key_cache.dtype, variants)
+        config = default_config(head_size, dtype, key_cache.dtype, variants, value_size)
         bound = visible_bound(max_len_bound(block_tables, block_size), variants)
         return dict(config, num_splits=math.ceil(bound / BATCH_INVARIANT_PARTITION))
     config = autotune.TUNERS["decode_attention"].lookup(
-        device_name(query.device), tuning_key(query, key_cache, block_tables, variants)) or default_config(
-            head_size, dtype, key_cache.dtype, variants)
+        device_name(query.device), tuning_key(query, key_cache, block_tables, variants, value_cache)) or default_config(
+            head_size, dtype, key_cache.dtype, variants, value_size)
     max_len = visible_bound(max_len_bound(block_tables, block_size), variants)
-    splits = choose_num_splits(query.shape[0], num_kv_heads, max_len, config["BLOCK_N"],
-                               num_sms(query.device), config.get("split_scale", 1.0))
+    splits = choose_num_splits(query.shape[0], programs_per_sequence(query, key_cache, value_cache, config), max_len,
+                               config["BLOCK_N"], num_sms(query.device), config.get("split_scale", 1.0))
     return dict(config, num_splits=partition_for(max_len, splits, config["BLOCK_N"])[1])
 
 
@@ -376,13 +442,13 @@ def run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale
                k_scale, v_scale, config: dict, num_splits: int | None = None, variants: Variants = PLAIN) -> int:
     """Launch with an explicit config; ``num_splits`` forces the split count. Returns the split count used."""
     num_seqs = query.shape[0]
-    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    block_size = key_cache.shape[1]
     block_n = config["BLOCK_N"]
     # Splits are planned over the keys a row can see: with a window, that is the window.
     max_len = visible_bound(max_len_bound(block_tables, block_size), variants)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_len, block_n,
-                                       num_sms(query.device), config.get("split_scale", 1.0))
+        num_splits = choose_num_splits(num_seqs, programs_per_sequence(query, key_cache, value_cache, config),
+                                       max_len, block_n, num_sms(query.device), config.get("split_scale", 1.0))
     partition, num_splits = partition_for(max_len, num_splits, block_n)
     with device_guard(query):
         _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
@@ -394,8 +460,8 @@ def run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale
 # BLOCK_N in use), counted from its first visible key, whatever the batch, and always reduced by
 # the reduce kernel (even one partition), so a row's bits depend on the row alone.
 BATCH_INVARIANT_PARTITION = 256
-# Partial results of one launch in the mode ([rows, num_heads, num_splits, head_size] fp32) are
-# kept under this size by launching the rows in chunks (a long prefill against a long table).
+# Partial results of one launch in the mode ([rows, num_heads, num_splits, value_head_size] fp32)
+# are kept under this size by launching the rows in chunks (a long prefill against a long table).
 BATCH_INVARIANT_SCRATCH_BYTES = 256 << 20
 
 
@@ -406,15 +472,16 @@ def run_rows(out, query, key_cache, value_cache, block_tables, seq_lens, cu_seql
     The default config of the shapes, never a tuned one (``config`` only for tests). Returns the
     split count of the grid (the rows' own partition counts depend on each row alone)."""
     num_rows, num_heads, head_size = query.shape
+    value_size = value_cache.shape[3]
     block_size = key_cache.shape[1]
     variants = variants.for_causal(causal)
-    config = config or default_config(head_size, query.dtype, key_cache.dtype, variants)
+    config = config or default_config(head_size, query.dtype, key_cache.dtype, variants, value_size)
     partition = BATCH_INVARIANT_PARTITION
     if partition % config["BLOCK_N"]:
         raise ValueError(f"BLOCK_N {config['BLOCK_N']} must divide the batch-invariant partition {partition}")
     bound = visible_bound(max_len_bound(block_tables, block_size), variants, causal)
     num_splits = math.ceil(bound / partition)
-    rows_per_launch = max(1, BATCH_INVARIANT_SCRATCH_BYTES // (num_heads * num_splits * head_size * 4))
+    rows_per_launch = max(1, BATCH_INVARIANT_SCRATCH_BYTES // (num_heads * num_splits * value_size * 4))
     with device_guard(query):
         for row_offset in range(0, num_rows, rows_per_launch):
             _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, k_scale, v_scale,
@@ -427,14 +494,16 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
                    config, num_splits, partition, variants: Variants, rows=None) -> None:
     """rows: None (decode: row = sequence, every row in one launch, split iff num_splits > 1) or
     (cu_seqlens_q, causal, row_offset, num_rows) for the row-wise mode (always split + reduce)."""
-    num_heads, head_size = query.shape[1], query.shape[2]
+    num_heads = query.shape[1]
     num_seqs = seq_lens.shape[0]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group_size = num_heads // num_kv_heads
+    dims = HeadDims.of(query, value_cache)
+    block_m = block_rows(group_size, dims.value_pad, config["num_warps"])
+    head_blocks = math.ceil(group_size / block_m)
     k_scale_t, k_seq_stride, k_head_stride = scale_arg(k_scale, query)
     v_scale_t, v_seq_stride, v_head_stride = scale_arg(v_scale, query)
     cdtype = compute_dtype(query.dtype)
-    head_dim_pad = head_pad(head_size)
     if rows is None:
         cu_seqlens_q, causal, row_offset, num_rows = seq_lens, True, 0, query.shape[0]
         split = num_splits > 1
@@ -442,8 +511,8 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
         cu_seqlens_q, causal, row_offset, num_rows = rows
         split = True
     if split:
-        # partials: [num_rows, num_heads, num_splits, head_size] and their base-2 LSEs
-        part_out = torch.empty(num_rows, num_heads, num_splits, head_size, dtype=torch.float32,
+        # partials: [num_rows, num_heads, num_splits, value_head_size] and their base-2 LSEs
+        part_out = torch.empty(num_rows, num_heads, num_splits, dims.value_size, dtype=torch.float32,
                                device=query.device)
         part_lse = torch.empty(num_rows, num_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
@@ -451,7 +520,7 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
     sinks_t, alibi_t, lse_t = variants.pointers(k_scale_t)
     softcap_log2, inv_softcap, window_left, window_right = variants.values()
     flags = variants.flags()
-    _decode_kernel[(num_rows, num_kv_heads, num_splits)](
+    _decode_kernel[(num_rows, num_kv_heads * head_blocks, num_splits)](
         out, query, kv_view(key_cache), kv_view(value_cache), block_tables, seq_lens, cu_seqlens_q,
         k_scale_t, v_scale_t, part_out, part_lse, sinks_t, alibi_t, lse_t,
         scale * LOG2E.value, softcap_log2, inv_softcap, window_left, window_right, partition, num_splits, num_seqs,
@@ -459,19 +528,27 @@ def _launch_decode(out, query, key_cache, value_cache, block_tables, seq_lens, s
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2), block_tables.stride(0),
-        GROUP_SIZE=group_size, HEAD_SIZE=head_size, KV_BLOCK_SIZE=block_size,
+        GROUP_SIZE=group_size, KV_BLOCK_SIZE=block_size,
         FP8_FORMAT=fp8_format(key_cache.dtype),
         COMPUTE_DTYPE=tl_dtype(cdtype), DOT_PRECISION=dot_precision(cdtype),
         ROUND_BF16=round_bf16(query.dtype),
         ROW_ALIGN=row_align(*query.stride()[:2], *out.stride()[:2], *key_cache.stride()[:3],
                             *value_cache.stride()[:3]),
         SPLIT=split, VARLEN_ROWS=rows is not None, **flags,
-        BLOCK_M=max(16, next_pow2(group_size)), BLOCK_N=config["BLOCK_N"], HEAD_PAD=head_dim_pad,
+        BLOCK_M=block_m, BLOCK_N=config["BLOCK_N"], **dims.constexprs(),
+        V_FROM_K=value_is_key_main(key_cache, value_cache, dims),
         num_warps=config["num_warps"], num_stages=config["num_stages"])
     if split:
         _decode_reduce_kernel[(num_rows, num_heads)](
             out, part_out, part_lse, seq_lens, cu_seqlens_q, sinks_t, lse_t,
             window_left, window_right, partition, num_splits, num_seqs, row_offset, int(causal),
-            out.stride(0), out.stride(1), HEAD_SIZE=head_size, ROUND_BF16=round_bf16(query.dtype),
+            out.stride(0), out.stride(1), VALUE_SIZE=dims.value_size, ROUND_BF16=round_bf16(query.dtype),
             VARLEN_ROWS=rows is not None, HAS_WINDOW=flags["HAS_WINDOW"], HAS_SINKS=flags["HAS_SINKS"],
-            WRITE_LSE=flags["WRITE_LSE"], HAS_WINDOW_RIGHT=flags["HAS_WINDOW_RIGHT"], SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, HEAD_PAD=head_dim_pad, num_warps=4)
+            WRITE_LSE=flags["WRITE_LSE"], HAS_WINDOW_RIGHT=flags["HAS_WINDOW_RIGHT"],
+            SPLIT_CHUNK=REDUCE_SPLIT_CHUNK, VALUE_PAD=dims.value_pad, num_warps=reduce_warps(dims.value_pad))
+
+
+def reduce_warps(value_pad: int) -> int:
+    """num_warps of the reduce kernel: its [SPLIT_CHUNK, VALUE_PAD] fp32 chunk of partials is 64
+    registers a thread at 4 warps up to 512 columns; a 1024-wide one (Dv up to 576) takes 8."""
+    return 4 if value_pad <= 512 else 8
