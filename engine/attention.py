@@ -1,6 +1,7 @@
-"""The attention glue between a model and ``torch.ops.paged.*``: the paged KV cache object, one
-step's metadata, ``paged_attention`` (every layer, every step, through the public ops), the
-transformers attention-interface function, and fp8 scales (checkpoint or first prefill)."""
+"""The attention glue between a model and ``torch.ops.paged.*``: the paged KV cache object and its
+layout, one step's metadata, ``paged_attention`` (every layer, every step, through the public ops),
+``mla_attention`` (DeepSeek's multi-head latent attention over a latent cache), the transformers
+attention-interface function, and fp8 scales (checkpoint or first prefill)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +9,7 @@ import functools
 import glob
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -26,17 +27,85 @@ def ops():
     return torch.ops.paged
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What one layer's cache holds per token: ``num_kv_heads`` keys of ``key_size`` and values of
+    ``value_size``. ``value_in_key``: the values are the keys' first ``value_size`` columns (MLA's
+    latent cache: one row per token, the value cache a view of the key cache), so only the key
+    cache is allocated."""
+    num_kv_heads: int
+    key_size: int
+    value_size: int
+    value_in_key: bool = False
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes one token takes in one layer's cache(s) of dtype."""
+        elements = self.num_kv_heads * (self.key_size + (0 if self.value_in_key else self.value_size))
+        return elements * torch.empty((), dtype=dtype).element_size()
+
+
+def is_mla(config) -> bool:
+    """DeepSeek-V2/V3-style multi-head latent attention (``kv_lora_rank`` in the config)."""
+    return bool(getattr(config, "kv_lora_rank", None))
+
+
+def cache_layout(config, latent: bool) -> CacheLayout:
+    """The cache layout of a transformers config. An MLA model (``is_mla``) run natively caches the
+    compressed latent (``latent=True``): one row of ``kv_lora_rank + qk_rope_head_dim`` per token
+    (576 at DeepSeek's sizes), whose first ``kv_lora_rank`` columns are the absorbed decode's values.
+    Through transformers' modeling code (``latent=False``) it hands the attention function per-head
+    keys of ``qk_nope_head_dim + qk_rope_head_dim`` and values of ``v_head_dim`` for every query
+    head, which a per-head cache stores. Other models: ``num_key_value_heads`` x ``head_dim``."""
+    if is_mla(config):
+        if latent:
+            return CacheLayout(1, config.kv_lora_rank + config.qk_rope_head_dim, config.kv_lora_rank, True)
+        return CacheLayout(config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim,
+                           config.v_head_dim)
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return CacheLayout(num_kv_heads, head_size, head_size)
+
+
 @dataclass
 class KVCache:
-    """Per-layer paged caches ``[num_blocks, block_size, num_kv_heads, head_size]`` and fp8 scales."""
+    """Per-layer paged caches ``[num_blocks, block_size, num_kv_heads, head_size]`` and fp8 scales.
+    With a latent layout (``CacheLayout.value_in_key``) ``value_caches[i]`` is the view
+    ``key_caches[i][..., :value_size]``."""
     key_caches: list[torch.Tensor]
     value_caches: list[torch.Tensor]
     k_scales: list[torch.Tensor | None]   # float32 [1] or [num_kv_heads] per layer, fp8 only
     v_scales: list[torch.Tensor | None]
+    value_in_key: bool = False
+
+    @classmethod
+    def allocate(cls, layout: CacheLayout, num_layers: int, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device) -> KVCache:
+        """Zeroed caches of num_blocks blocks for every layer (what ModelRunner allocates)."""
+        shape = lambda size: (num_blocks, block_size, layout.num_kv_heads, size)  # noqa: E731
+        keys = [torch.zeros(shape(layout.key_size), dtype=dtype, device=device) for _ in range(num_layers)]
+        if layout.value_in_key:
+            values = [k[..., :layout.value_size] for k in keys]
+        else:
+            values = [torch.zeros(shape(layout.value_size), dtype=dtype, device=device) for _ in range(num_layers)]
+        return cls(keys, values, [None] * num_layers, [None] * num_layers, layout.value_in_key)
 
     @property
     def is_fp8(self) -> bool:
         return self.key_caches[0].dtype in KV_CACHE_DTYPES.values()
+
+    def storage(self) -> list[torch.Tensor]:
+        """Every distinct cache tensor once (what a whole-block copy must move): the key and value
+        caches, or the latent caches alone."""
+        return list(self.key_caches) if self.value_in_key else self.key_caches + self.value_caches
+
+    def disjoint_pairs(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(key-side, value-side) lists that cover each layer's storage exactly once and do not
+        overlap (``copy_blocks`` takes two such lists): a latent cache splits into its value
+        columns and the rest."""
+        if not self.value_in_key:
+            return self.key_caches, self.value_caches
+        rank = self.value_caches[0].shape[-1]
+        return [k[..., :rank] for k in self.key_caches], [k[..., rank:] for k in self.key_caches]
 
 
 @dataclass
@@ -49,6 +118,8 @@ class AttentionMetadata:
     max_seqlen_q: int
     decode_only: bool            # every sequence has q_len 1: use decode_attention
     kv: KVCache
+    # what layers of one step share and compute once (mla_attention's context blocks)
+    shared: dict = field(default_factory=dict)
 
 
 def fp8_scale(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -112,7 +183,7 @@ def variant_kwargs(softcap: float | None = None, window: int = -1, sinks: torch.
 def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     scale: float, **variants) -> torch.Tensor:
     """Store the step's K/V in layer's cache, attend over the cache. q: [T, num_heads, D];
-    k, v: [T, num_kv_heads, D] (after RoPE) -> [T, num_heads, D]. ``variants``: the ops'
+    k: [T, num_kv_heads, D] (after RoPE), v: [T, num_kv_heads, Dv] -> [T, num_heads, Dv]. ``variants``: the ops'
     keyword-only arguments (``variant_kwargs``: softcap, window_left, sinks). Every layer calls the
     public ops, which check their arguments and pick the backend."""
     paged, kv = ops(), meta.kv
@@ -121,12 +192,79 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
         kv.k_scales[layer], kv.v_scales[layer] = fp8_scale(k, kc.dtype), fp8_scale(v, vc.dtype)
     ks, vs = kv.k_scales[layer], kv.v_scales[layer]
     paged.reshape_and_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:2], v.shape[-1])  # [T, H, Dv]: Dv may differ from D (DeepSeek via transformers)
     if meta.decode_only:
         paged.decode_attention(out, q, kc, vc, meta.block_tables, meta.seq_lens, scale, ks, vs, **variants)
     else:
         paged.prefill_attention(out, q, kc, vc, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
                                 meta.max_seqlen_q, scale, True, ks, vs, **variants)
+    return out
+
+
+def mla_context_blocks(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache blocks the step's sequences read, each once (a prefix shared by several sequences
+    too), and the block tables renumbered into that list: ``(block_ids int64 [nb], tables int32
+    [num_seqs, max_blocks])``. Computed once per step (every layer has the same)."""
+    if "mla_blocks" not in meta.shared:
+        block_size = meta.kv.key_caches[0].shape[1]
+        tables = meta.block_tables.long()
+        num_blocks = (meta.seq_lens.long() + block_size - 1) // block_size  # [num_seqs]
+        used = torch.arange(tables.shape[1], device=tables.device)[None] < num_blocks[:, None]
+        block_ids, inverse = torch.unique(tables[used], return_inverse=True)
+        compact = torch.zeros_like(tables)
+        compact[used] = inverse
+        meta.shared["mla_blocks"] = (block_ids, compact.to(torch.int32))
+    return meta.shared["mla_blocks"]
+
+
+def mla_attention(meta: AttentionMetadata, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor,
+                  latent: torch.Tensor, k_pe: torch.Tensor, mla) -> torch.Tensor:
+    """DeepSeek's multi-head latent attention over a latent cache: store the step's latents, attend.
+
+    q_nope: [T, H, qk_nope]; q_pe: [T, H, rope] and k_pe: [T, rope] after RoPE; latent: [T, rank]
+    (after ``kv_a_layernorm``) -> [T, H, v_head]. ``mla`` (the model's attention module) holds
+    ``kv_b_proj`` (latent -> per head [k_nope | v]), its weight split per head as ``w_uk``
+    [H, qk_nope, rank] and ``w_uv`` [H, v_head, rank], and ``scale`` (DeepSeek's softmax scale).
+
+    The cache ``[num_blocks, block_size, 1, rank + rope]`` holds one row per token:
+    ``concat_and_cache_mla(latent, k_pe)``.
+
+    Decode (every row q_len 1) is the absorbed form: ``q_nope . (W_UK c) = (W_UK^T q_nope) . c``, so
+    each head's query moves into the latent space and attends the latent rows directly, one KV head
+    for all heads: ``query = [q_nope W_UK | q_pe]`` [T, H, rank + rope] against ``key_cache`` = the
+    latent cache and ``value_cache`` = its first ``rank`` columns (a view); the output [T, H, rank]
+    goes through W_UV. Nothing per head is ever materialized.
+
+    Any other step (prefill, chunked prefill, prefix hits, mixed with decode rows) is the
+    non-absorbed form DeepSeek's prefill uses: per-head K = [W_UK c | k_pe] (qk_nope + rope) and
+    V = W_UV c (v_head). The sequences' earlier tokens exist only as latents, so their K/V must be
+    re-materialized from the cache. Choice: up-project the *blocks* the step reads
+    (``mla_context_blocks``: each used block once, so a shared prefix is expanded once) into a
+    scratch per-head paged cache ``[nb, block_size, H, D]`` read through the same block tables
+    renumbered. It stays a plain ``prefill_attention`` call over one varlen batch (bottom-right
+    causal, every sequence's own context), with no per-sequence loop, no copy of the step's own
+    K/V (they are read back from the latent cache like the rest), and at most ``block_size - 1``
+    unused rows per sequence up-projected (the slots past ``seq_lens``, never read). The scratch
+    is freed after the layer, so peak memory is one layer's context in per-head form."""
+    paged, cache = ops(), meta.kv.key_caches[layer]
+    rank, T, H = latent.shape[1], q_nope.shape[0], q_nope.shape[1]
+    paged.concat_and_cache_mla(latent, k_pe, cache, meta.slot_mapping, None)
+    if meta.decode_only:
+        query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, mla.w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
+        out = query.new_empty(T, H, rank)
+        paged.decode_attention(out, query, cache, meta.kv.value_caches[layer], meta.block_tables, meta.seq_lens,
+                               mla.scale, None, None)
+        return torch.einsum("thr,hvr->thv", out, mla.w_uv)  # [T, H, v_head]
+    block_ids, tables = mla_context_blocks(meta)
+    rows = cache[block_ids]  # [nb, block_size, 1, rank + rope]
+    nb, block_size, nope, rope = rows.shape[0], rows.shape[1], q_nope.shape[2], k_pe.shape[1]
+    kv = mla.kv_b_proj(rows[:, :, 0, :rank]).view(nb, block_size, H, -1)  # [nb, bs, H, nope + v_head]
+    keys = torch.cat([kv[..., :nope], rows[..., rank:].expand(nb, block_size, H, rope)], dim=-1)
+    values = kv[..., nope:].contiguous()  # [nb, bs, H, v_head]
+    query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
+    out = query.new_empty(T, H, values.shape[-1])
+    paged.prefill_attention(out, query, keys, values, tables, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q,
+                            mla.scale, True, None, None)
     return out
 
 

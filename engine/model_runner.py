@@ -1,9 +1,10 @@
 """Runs a Hugging Face decoder on one flattened varlen batch per step, attention through
 ``torch.ops.paged.*`` (engine/attention.py).
 
-Two ways to run the decoder (``model_impl``, see engine/README.md). Llama, Mistral, Qwen2, Gemma 2
-and gpt-oss run natively (``engine/models/``: fused projections, ``paged_attention`` called with
-the step's metadata and each layer's attention variants). Any other decoder keeps transformers'
+Two ways to run the decoder (``model_impl``, see engine/README.md). Llama, Mistral, Qwen2, Gemma 2,
+gpt-oss and DeepSeek-V2/V3 run natively (``engine/models/``: fused projections, ``paged_attention``
+called with the step's metadata and each layer's attention variants; DeepSeek's ``mla_attention``
+over a latent cache). Any other decoder keeps transformers'
 modeling code with our attention plugged in through its ``AttentionInterface``
 (``attn_implementation="paged_ops"``): the model sees a batch of one "sequence" of all scheduled
 tokens (``[1, num_tokens]``, real positions in position_ids), and our attention function reads the
@@ -17,10 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from .attention import (ATTN_IMPLEMENTATION, AttentionMetadata, KVCache, check_layer_types, load_kv_scales, ops,
-                        paged_attention, step_metadata)
+from .attention import (ATTN_IMPLEMENTATION, AttentionMetadata, KVCache, cache_layout, check_layer_types, is_mla,
+                        load_kv_scales, ops, paged_attention, step_metadata)
 from .config import KV_CACHE_DTYPES, EngineConfig
-from .models import gemma2, gpt_oss, llama
+from .models import deepseek, gemma2, gpt_oss, llama
 from .models.packed_linear import can_pack, pack_linears
 from .scheduler import SchedulerOutput
 
@@ -28,7 +29,8 @@ from .scheduler import SchedulerOutput
 # architecture name -> native model class (engine/models/)
 NATIVE = {**{a: llama.LlamaForCausalLM for a in llama.ARCHITECTURES},
           **{a: gemma2.Gemma2ForCausalLM for a in gemma2.ARCHITECTURES},
-          **{a: gpt_oss.GptOssForCausalLM for a in gpt_oss.ARCHITECTURES}}
+          **{a: gpt_oss.GptOssForCausalLM for a in gpt_oss.ARCHITECTURES},
+          **{a: deepseek.DeepseekForCausalLM for a in deepseek.ARCHITECTURES}}
 
 
 @dataclass
@@ -68,11 +70,13 @@ class ModelRunner:
         self.packed_linears = pack_linears(self.model) if can_pack(self.dtype, self.device) else 0
         cfg = self.config
         self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_size = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # the native DeepSeek model caches MLA's latent; through transformers it gets per-head K/V
+        self.cache_layout = cache_layout(cfg, latent=self.model_impl == "native" and is_mla(cfg))
+        if self.cache_layout.value_in_key and config.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for the latent (MLA) cache of "
+                             f"{type(self.model).__name__} (only 'auto'); model_impl='transformers' caches per-head K/V")
         self.cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
-        elem = torch.empty((), dtype=self.cache_dtype).element_size()
-        self.bytes_per_block = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * elem
+        self.bytes_per_block = self.num_layers * self.block_size * self.cache_layout.bytes_per_token(self.cache_dtype)
 
         num_kv_blocks = config.num_kv_blocks
         if num_kv_blocks is None:
@@ -94,9 +98,7 @@ class ModelRunner:
         self.cpu_kv = self._allocate(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else None
 
     def _allocate(self, num_blocks: int, device: torch.device) -> KVCache:
-        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-        new = lambda: [torch.zeros(shape, dtype=self.cache_dtype, device=device) for _ in range(self.num_layers)]
-        return KVCache(new(), new(), [None] * self.num_layers, [None] * self.num_layers)
+        return KVCache.allocate(self.cache_layout, self.num_layers, num_blocks, self.block_size, self.cache_dtype, device)
 
     def _profile_num_blocks(self, config: EngineConfig) -> int:
         """CPU: kv_cache_memory_bytes (default 1 GiB). CUDA: what gpu_memory_utilization of the
@@ -112,7 +114,7 @@ class ModelRunner:
         seq.block_table = list(range(len(self.kv.key_caches[0])))
         self.run(SchedulerOutput(seqs=[seq], num_new_tokens=[n]))
         peak = torch.cuda.max_memory_allocated(self.device) - sum(
-            c.numel() * c.element_size() for c in self.kv.key_caches + self.kv.value_caches)
+            c.numel() * c.element_size() for c in self.kv.storage())
         del self.kv
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
@@ -127,11 +129,10 @@ class ModelRunner:
                                 (out.blocks_to_swap_in, self.cpu_kv, self.kv)):
             if pairs:
                 m = mapping(pairs, "cpu")
-                for layer in range(self.num_layers):
-                    paged.swap_blocks(src.key_caches[layer], dst.key_caches[layer], m)
-                    paged.swap_blocks(src.value_caches[layer], dst.value_caches[layer], m)
+                for s, d in zip(src.storage(), dst.storage()):  # a latent cache once, not again as its value view
+                    paged.swap_blocks(s, d, m)
         if out.blocks_to_copy:
-            paged.copy_blocks(self.kv.key_caches, self.kv.value_caches, mapping(out.blocks_to_copy, self.device))
+            paged.copy_blocks(*self.kv.disjoint_pairs(), mapping(out.blocks_to_copy, self.device))
 
     # ---- one step --------------------------------------------------------------------
     def prepare(self, out: SchedulerOutput):
@@ -170,7 +171,8 @@ class ModelRunner:
         rows = sample_rows + [r for _, rs in prompt_rows.values() for r in rs]
         rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
         if self.model_impl == "native":
-            hidden = self.model(input_ids, positions, functools.partial(paged_attention, meta))  # [T, hidden]
+            attention = getattr(self.model, "attention_op", paged_attention)  # DeepSeek: mla_attention
+            hidden = self.model(input_ids, positions, functools.partial(attention, meta))  # [T, hidden]
             logits = self.model.logits(hidden[rows]).float()  # [num_rows, vocab]
         else:
             with step_metadata(meta):
