@@ -167,6 +167,7 @@ inline AttentionParams attention_params(const Target& tgt, const Tensor& out, co
   p.num_heads = size_for(tgt, query.size(1), "num_heads");
   p.num_kv_heads = size_for(tgt, key_cache.size(2), "num_kv_heads");
   p.head_size = size_for(tgt, query.size(2), "head_size");
+  p.value_head_size = size_for(tgt, value_cache.size(3), "value head_size");
   p.max_seqlen_q = max_seqlen_q;
   p.scale = float(scale);
   p.causal = causal;

@@ -14,13 +14,18 @@ Rules shared by every op (the public ops check them and raise ``ValueError`` nam
   allocated ``[num_blocks, num_kv_heads, block_size, head_size]`` and permuted to this view works
   too); token ``j`` of a sequence lives at ``cache[block_table[j // block_size], j % block_size]``.
   The last dimension of every activation and cache is contiguous.
-- Any block size >= 1; head sizes that are multiples of 8 up to 256; query dtypes float32,
+- Any block size >= 1; head sizes that are multiples of 8 up to 576; query dtypes float32,
   float16, bfloat16; caches of the query dtype or fp8 (``float8_e4m3fn``, ``float8_e5m2``), which
   need ``k_scale``/``v_scale``: float32, contiguous, 1 element (per tensor), ``[num_kv_heads]``
   (per KV head) or, in the attention ops, ``[num_seqs, num_kv_heads]`` (per sequence and KV
   head, FlashAttention-3's descale); K and V may each take another form.
 - GQA: num_heads is any multiple of num_kv_heads; query head ``h`` reads KV head
   ``h // (num_heads // num_kv_heads)``.
+- Keys and values may differ in head size (MLA): in the attention ops ``query`` and ``key_cache``
+  have head size ``Dk``, ``value_cache`` and ``out`` ``Dv <= Dk``; the caches agree in every other
+  dimension. ``value_cache`` may be a view into ``key_cache``'s storage (absorbed MLA decode:
+  ``value_cache = key_cache[..., :Dv]``, one latent per token); ``reshape_and_cache`` writes keys
+  and values of their own caches' head sizes.
 - Index tensors: block_tables, seq_lens, cu_seqlens_q int32; slot_mapping, block_mapping int64;
   all contiguous. Cache slots no sequence reaches and block-table entries past a sequence's length
   are never read.
@@ -106,7 +111,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
               alibi_slopes: torch.Tensor | None = None, return_lse: bool = False, window_right: int = -1):
     """Softmax attention of one sequence in float64 (the definition of every attention op).
 
-    q: [q_len, num_heads, head_size]; k, v: [kv_len, num_kv_heads, head_size].
+    q: [q_len, num_heads, head_size]; k: [kv_len, num_kv_heads, head_size]; v: [kv_len,
+    num_kv_heads, value_head_size] (MLA: value_head_size <= head_size).
     Query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)`` (GQA).
 
     Query row ``i`` sits at position ``p = kv_len - q_len + i`` (bottom-right aligned: the new
@@ -127,7 +133,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
     A row with no visible key is 0 with log-sum-exp -inf (as FlashAttention and vLLM); with a
     sink it is 0 with log-sum-exp ``sinks[h]``. Sinks may be infinite: ``-inf`` is no sink,
     ``+inf`` gives out 0 and log-sum-exp +inf, NaN a NaN row. Returns ``out: [q_len, num_heads,
-    head_size]`` and, with ``return_lse``, also ``lse: [q_len, num_heads]`` (float64).
+    value_head_size]`` and, with ``return_lse``, also ``lse: [q_len, num_heads]`` (float64).
     """
     q_len, num_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
@@ -171,7 +177,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, c
 def reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Write token ``t``'s key/value into slot ``slot_mapping[t]`` (skipped when negative).
 
-    key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens],
+    key, value: [num_tokens, num_kv_heads, head_size of its cache]; slot_mapping: int64 [num_tokens],
     slot = block * block_size + offset. fp8 caches store the saturating cast of ``x / scale``
     (``saturating_fp8_cast``; per tensor or per KV head).
     """
@@ -211,7 +217,8 @@ def prefill_attention(out, query, key_cache, value_cache, block_tables, cu_seqle
                       window_right=-1) -> None:
     """Varlen paged attention over a flattened batch of query tokens.
 
-    query, out: [total_q_tokens, num_heads, head_size]; sequence ``s`` owns query rows
+    query: [total_q_tokens, num_heads, head_size]; out: [total_q_tokens, num_heads, value_head_size]
+    (value_cache's head size, <= head_size: MLA); sequence ``s`` owns query rows
     ``cu_seqlens_q[s] .. cu_seqlens_q[s+1]`` and attends to its first ``seq_lens[s]`` cached
     tokens, which include the new tokens themselves (their K/V are already in the cache), so
     0 <= q_len <= seq_len. cu_seqlens_q: int32 [num_seqs + 1], from 0 to total_q_tokens;
@@ -251,7 +258,8 @@ def decode_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                      alibi_slopes=None, lse=None, batch_invariant=False, window_right=-1) -> None:
     """One query token per sequence attending to all ``seq_lens[s]`` cached tokens.
 
-    query, out: [num_seqs, num_heads, head_size]; block_tables: int32 [num_seqs, max_blocks];
+    query: [num_seqs, num_heads, head_size]; out: [num_seqs, num_heads, value_head_size];
+    block_tables: int32 [num_seqs, max_blocks];
     seq_lens: int32 [num_seqs], each >= 0 (0: a padded slot, whose row sees no key: out 0, lse
     -inf); lse: float32 [num_seqs, num_heads]. Same as prefill with q_len = 1 (causal), variants
     and ``batch_invariant`` included (``window_right`` changes nothing under causal).

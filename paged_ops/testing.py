@@ -237,8 +237,9 @@ def _reference_variants(variants: dict) -> dict:
 class PagedCase:
     """A batch of sequences whose first ``seq_lens[s]`` tokens are cached.
 
-    query: [total_q, num_heads, head_size] (decode: one row per sequence); caches:
-    [num_blocks, block_size, num_kv_heads, head_size] views; block_tables int32
+    query: [total_q, num_heads, head_size] (decode: one row per sequence); key_cache:
+    [num_blocks, block_size, num_kv_heads, head_size] and value_cache [..., value_head_size]
+    views (MLA: value_cache may be key_cache[..., :value_head_size]); block_tables int32
     [num_seqs, max_blocks]; seq_lens int32 [num_seqs]; cu_seqlens_q int32 [num_seqs + 1].
     """
 
@@ -257,6 +258,15 @@ class PagedCase:
     @property
     def device(self) -> torch.device:
         return self.query.device
+
+    @property
+    def value_head_size(self) -> int:
+        return self.value_cache.shape[3]
+
+    @property
+    def out_shape(self) -> tuple[int, int, int]:
+        """out's shape: the query's rows and heads, value_cache's head size."""
+        return (*self.query.shape[:2], self.value_head_size)
 
     @property
     def num_seqs(self) -> int:
@@ -309,7 +319,7 @@ class PagedCase:
                 continue
             blocks = self.block_tables[s].cpu().long()[positions // block_size].to(self.device)
             offsets = (positions % block_size).to(self.device)
-            for cache in (self.key_cache, self.value_cache):
+            for cache in (self.key_cache, self.value_cache):  # a value view of key_cache: stored twice
                 if cache.dtype == torch.float8_e4m3fn:
                     cache.view(torch.uint8)[blocks, offsets] = 0x7F
                 else:
@@ -318,8 +328,8 @@ class PagedCase:
         return count
 
     def new_out(self) -> torch.Tensor:
-        """A NaN-filled output like the query."""
-        return nan_like(self.query)
+        """A NaN-filled output: the query's rows and heads, the value head size, its dtype."""
+        return torch.full(self.out_shape, math.nan, dtype=self.query.dtype, device=self.device)
 
     @staticmethod
     def _on_cpu_in_float64(args: tuple) -> list:
@@ -336,7 +346,7 @@ class PagedCase:
     def reference_prefill_lse(self, causal=True, **variants) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse) of prefill_attention by the float64 reference, on the CPU:
         [total_q, num_heads, head_size] and [total_q, num_heads]."""
-        ref = torch.empty(self.query.shape, dtype=torch.float64)
+        ref = torch.empty(self.out_shape, dtype=torch.float64)
         lse = torch.empty(self.query.shape[:2], dtype=torch.float64)
         args = self._on_cpu_in_float64(self.prefill_args(ref, causal))
         reference.prefill_attention(*args, lse=lse, **_reference_variants(variants))
@@ -348,7 +358,7 @@ class PagedCase:
 
     def reference_decode_lse(self, **variants) -> tuple[torch.Tensor, torch.Tensor]:
         """(out, lse) of decode_attention by the float64 reference, on the CPU."""
-        ref = torch.empty(self.query.shape, dtype=torch.float64)
+        ref = torch.empty(self.out_shape, dtype=torch.float64)
         lse = torch.empty(self.query.shape[:2], dtype=torch.float64)
         args = self._on_cpu_in_float64(self.decode_args(ref))
         reference.decode_attention(*args, lse=lse, **_reference_variants(variants))
@@ -367,7 +377,7 @@ def _store(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, scale: tor
 def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_heads=4, num_kv_heads=2,
               head_size=64, block_size=16, dtype=torch.float32, cache_dtype=None, layout="NHD",
               scale_kind="tensor", spare_blocks=3, device="cpu", seed=0, poison_unused=True,
-              spare_columns=1) -> PagedCase:
+              spare_columns=1, value_head_size=None, value_in_key=False) -> PagedCase:
     """A random paged batch (see the module docstring).
 
     seq_lens: cached tokens per sequence (the new tokens of a prefill included; 0 allowed).
@@ -378,6 +388,9 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
     layout: "NHD" or "HND" (the cache allocated head-major and permuted to the contract's view).
     spare_blocks: blocks no table reaches (an int, or a float: that fraction of the used blocks).
     spare_columns: block-table columns past the longest sequence (garbage ids).
+    value_head_size: value_cache's (and out's) head size, <= head_size (default head_size).
+    value_in_key: value_cache is ``key_cache[..., :value_head_size]``, a view of the same storage
+    (absorbed MLA: one latent per token serves as key and, its first columns, as value).
     poison_unused: True: slots no sequence reaches hold NaN and K/V go through the reference
     reshape_and_cache (tests). False: the whole pool is random and the table rows are exact
     (benchmarks: large pools built fast, on device, no NaN slow paths).
@@ -390,6 +403,7 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
         raise ValueError(f"need q_len >= 0 and seq_len >= 0, got q_lens {q_lens}, seq_lens {seq_lens}")
     cache_dtype = cache_dtype or dtype
     device = torch.device(device)
+    value_head_size = head_size if value_head_size is None else int(value_head_size)
     # Poisoned cases draw on the CPU (the same numbers on every device); pools drawn on the device
     # keep large benchmark inputs off the host.
     g = torch.Generator(device if not poison_unused else "cpu").manual_seed(seed)
@@ -412,17 +426,18 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
 
     if poison_unused:
         kc = empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout)
-        vc = empty_cache(num_blocks, block_size, num_kv_heads, head_size, cache_dtype, layout)
+        vc = empty_cache(num_blocks, block_size, num_kv_heads, value_head_size, cache_dtype, layout)
         slots = [block_tables[s, torch.arange(n) // block_size].long() * block_size + torch.arange(n) % block_size
                  for s, n in enumerate(seq_lens)]
         starts = [0, *torch.tensor([len(x) for x in slots], dtype=torch.long).cumsum(0).tolist()]
         slots = torch.cat(slots) if slots else torch.empty(0, dtype=torch.long)
         k = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
-        v = torch.randn(len(slots), num_kv_heads, head_size, generator=g).to(dtype)
+        v = torch.randn(len(slots), num_kv_heads, value_head_size, generator=g).to(dtype)
         for s in range(len(seq_lens)):  # each sequence with its own scale (per-sequence scales)
             mine = slice(starts[s], starts[s + 1])
             _store(k[mine], kc, slots[mine], sequence_scale(k_scale, s))
-            _store(v[mine], vc, slots[mine], sequence_scale(v_scale, s))
+            if not value_in_key:
+                _store(v[mine], vc, slots[mine], sequence_scale(v_scale, s))
         kc, vc = kc.to(device), vc.to(device)
     else:
         shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"
@@ -430,6 +445,11 @@ def make_case(seq_lens: Sequence[int], q_lens: Sequence[int] | None = None, num_
         kc, vc = (random_tensor(shape, cache_dtype, g, device) for _ in range(2))
         if layout == "HND":
             kc, vc = kc.transpose(1, 2), vc.transpose(1, 2)
+        vc = vc[..., :value_head_size]
+    if value_in_key:
+        if value_head_size > head_size:
+            raise ValueError(f"value_in_key needs value_head_size <= head_size, got {value_head_size} > {head_size}")
+        vc = kc[..., :value_head_size]
 
     cu = torch.tensor([0] + torch.tensor(q_lens, dtype=torch.long).cumsum(0).tolist(), dtype=torch.int32)
     query = random_tensor((int(cu[-1]), num_heads, head_size), dtype, g, device)

@@ -27,6 +27,10 @@ def op_samples():
     c = small_case()
     f8 = small_case(cache_dtype=torch.float8_e4m3fn, scale_kind="head")
     decode = make_case([3, 17], num_heads=4, num_kv_heads=2, head_size=64, block_size=8)
+    # keys and values of different head sizes (MLA): the latent with its value a view, and DeepSeek's prefill
+    latent = make_case([3, 17], num_heads=8, num_kv_heads=1, head_size=80, value_head_size=64, value_in_key=True,
+                       block_size=8, dtype=torch.bfloat16)
+    split = make_case([5, 19], [5, 3], num_heads=2, num_kv_heads=2, head_size=24, value_head_size=16, block_size=8)
     key, value = torch.randn(6, 2, 64), torch.randn(6, 2, 64)
     slots = torch.tensor([0, 5, -1, 9, 30, 2])
     x = torch.randn(4, 64)
@@ -34,9 +38,12 @@ def op_samples():
     vcs = [torch.randn(6, 8, 2, 64) for _ in range(2)]
     return {
         "reshape_and_cache": [(key, value, c.key_cache.clone(), c.value_cache.clone(), slots, None, None),
-                              (key, value, f8.key_cache.clone(), f8.value_cache.clone(), slots, f8.k_scale, f8.v_scale)],
-        "decode_attention": [decode.decode_args(nan_like(decode.query))],
-        "prefill_attention": [c.prefill_args(nan_like(c.query)), f8.prefill_args(nan_like(f8.query), False)],
+                              (key, value, f8.key_cache.clone(), f8.value_cache.clone(), slots, f8.k_scale, f8.v_scale),
+                              (torch.randn(6, 2, 24), torch.randn(6, 2, 16), split.key_cache.clone(),
+                               split.value_cache.clone(), slots, None, None)],
+        "decode_attention": [decode.decode_args(nan_like(decode.query)), latent.decode_args(latent.new_out())],
+        "prefill_attention": [c.prefill_args(nan_like(c.query)), f8.prefill_args(nan_like(f8.query), False),
+                              split.prefill_args(split.new_out()), latent.prefill_args(latent.new_out())],
         "merge_attention_states": [(torch.empty(4, 2, 64), torch.empty(4, 2), torch.randn(4, 2, 64), torch.randn(4, 2),
                                     torch.randn(4, 2, 64), torch.randn(4, 2)),
                                    (torch.empty(3, 2, 64, dtype=torch.bfloat16), None,

@@ -28,12 +28,15 @@ struct LaunchConfig {
 };
 
 // decode_attention (cu_seqlens_q == nullptr: one query token per sequence) and prefill_attention.
+// Keys and values may differ in head size (MLA): query and key_cache have head_size (Dk), value_cache
+// and out value_head_size (Dv <= Dk). value_cache may be a view into key_cache's storage (absorbed
+// MLA: its first Dv columns), so nothing may assume the two are apart; neither is written.
 struct AttentionParams {
-  void* out;          // [num_tokens, num_heads, head_size]
+  void* out;          // [num_tokens, num_heads, value_head_size]
   const void* query;  // [num_tokens, num_heads, head_size]
   int64_t q_stride_token, q_stride_head, o_stride_token, o_stride_head;
-  const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_size] by strides
-  const void* value_cache;
+  const void* key_cache;    // [num_blocks, block_size, num_kv_heads, head_size] by strides
+  const void* value_cache;  // [num_blocks, block_size, num_kv_heads, value_head_size] by strides
   int64_t k_stride_block, k_stride_token, k_stride_head;
   int64_t v_stride_block, v_stride_token, v_stride_head;
   const int32_t* block_tables;  // [num_seqs, max_blocks_per_seq], rows block_table_stride apart
@@ -52,6 +55,7 @@ struct AttentionParams {
   // the kernels narrow to int where they index.
   int64_t num_seqs, num_tokens;
   int64_t num_heads, num_kv_heads, head_size, block_size;
+  int64_t value_head_size;  // Dv: value_cache's and out's head size, <= head_size
   // prefill: sizes the grid, never trusted for correctness (every row of every sequence is
   // computed whatever it says); clamped to num_tokens by the plan.
   int64_t max_seqlen_q;

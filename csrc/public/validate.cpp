@@ -17,13 +17,15 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace paged::api {
 namespace {
 using at::ScalarType;
 
-constexpr int64_t kMaxHeadSize = 256;
+// 576: MLA's latent (DeepSeek: a 512-wide latent plus 64 RoPE dimensions) read as one key head.
+constexpr int64_t kMaxHeadSize = 576;
 // The kernels (csrc/cpu, csrc/kernels/params.h) hold sizes and counts in 32-bit ints; strides
 // and element offsets are 64-bit.
 constexpr int64_t kMaxIndex = std::numeric_limits<int32_t>::max();
@@ -218,8 +220,10 @@ void check_caches(const Tensor& key_cache, const Tensor& value_cache) {
     check_dtype(name, *c, kCache);
     check_unit_stride(name, *c);
   }
-  TORCH_CHECK_VALUE(key_cache.sizes() == value_cache.sizes(), "key_cache shape ", shape_str(key_cache.sizes()),
-                    " != value_cache shape ", shape_str(value_cache.sizes()));
+  // Keys and values may have different head sizes (MLA); everything else is shared.
+  TORCH_CHECK_VALUE(key_cache.sizes().slice(0, 3) == value_cache.sizes().slice(0, 3), "key_cache shape ",
+                    shape_str(key_cache.sizes()), " and value_cache shape ", shape_str(value_cache.sizes()),
+                    " must agree in (num_blocks, block_size, num_kv_heads)");
   TORCH_CHECK_VALUE(key_cache.scalar_type() == value_cache.scalar_type(), "key_cache dtype ",
                     dtype_str(key_cache.scalar_type()), " != value_cache dtype ",
                     dtype_str(value_cache.scalar_type()));
@@ -228,6 +232,7 @@ void check_caches(const Tensor& key_cache, const Tensor& value_cache) {
   TORCH_CHECK_VALUE(key_cache.size(1) >= 1, "block_size (key_cache.shape[1]) must be >= 1");
   TORCH_CHECK_VALUE(key_cache.size(2) >= 1, "num_kv_heads (key_cache.shape[2]) must be >= 1");
   check_head_size("key_cache", key_cache.size(3));
+  check_head_size("value_cache", value_cache.size(3));
   check_cache_sizes("key_cache", key_cache);
 }
 
@@ -259,17 +264,23 @@ void check_scales(ScalarType cache_dtype, int64_t num_kv_heads, const c10::Devic
   }
 }
 
-void check_query_out(const Tensor& out, const Tensor& query, const Tensor& key_cache) {
+// query [num_tokens, num_heads, Dk] against key_cache's Dk; out [num_tokens, num_heads, Dv] against
+// value_cache's Dv, Dv <= Dk (MLA reads the latent's first Dv columns as the value).
+void check_query_out(const Tensor& out, const Tensor& query, const Tensor& key_cache, const Tensor& value_cache) {
   const c10::Device device = key_cache.device();
   check_tensor("query", query, 3, kFloat, device);
   check_tensor("out", out, 3, {query.scalar_type()}, device);
-  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out shape ", shape_str(out.sizes()), " != query shape ",
-                    shape_str(query.sizes()));
   check_unit_stride("query", query);
   check_unit_stride("out", out);
   const int64_t num_heads = query.size(1), head_size = query.size(2), num_kv_heads = key_cache.size(2);
+  const int64_t value_head_size = value_cache.size(3);
   TORCH_CHECK_VALUE(head_size == key_cache.size(3), "query head_size ", head_size, " != key_cache head_size ",
                     key_cache.size(3));
+  TORCH_CHECK_VALUE(value_head_size <= head_size, "value_cache head_size ", value_head_size,
+                    " is larger than key_cache head_size ", head_size, " (the value head size must be <= the key's)");
+  TORCH_CHECK_VALUE(out.size(0) == query.size(0) && out.size(1) == num_heads && out.size(2) == value_head_size,
+                    "out shape ", shape_str(out.sizes()), " must be (num_tokens, num_heads, value_cache head_size) = (",
+                    query.size(0), ", ", num_heads, ", ", value_head_size, ")");
   TORCH_CHECK_VALUE(num_heads >= 1, "query num_heads (query.shape[1]) must be >= 1, got ", num_heads);
   TORCH_CHECK_VALUE(num_heads % num_kv_heads == 0, "query num_heads ", num_heads,
                     " is not a multiple of the cache's num_kv_heads ", num_kv_heads);
@@ -373,16 +384,16 @@ void check_reshape_and_cache(const Tensor& key, const Tensor& value, const Tenso
   check_caches(key_cache, value_cache);
   const c10::Device device = key_cache.device();
   const int64_t num_blocks = key_cache.size(0), block_size = key_cache.size(1);
-  const int64_t num_kv_heads = key_cache.size(2), head_size = key_cache.size(3);
-  for (auto [name, x] : {std::pair<const char*, const Tensor*>{"key", &key}, {"value", &value}}) {
+  const int64_t num_kv_heads = key_cache.size(2);
+  for (auto [name, x, cache] : {std::tuple<const char*, const Tensor*, const Tensor*>{"key", &key, &key_cache},
+                                {"value", &value, &value_cache}}) {
     check_tensor(name, *x, 3, kFloat, device);
     check_unit_stride(name, *x);
-    TORCH_CHECK_VALUE(x->size(1) == num_kv_heads && x->size(2) == head_size, name, " is [num_tokens, ", x->size(1),
-                      ", ", x->size(2), "] but the cache holds [num_kv_heads=", num_kv_heads,
-                      ", head_size=", head_size, "]");
+    TORCH_CHECK_VALUE(x->size(1) == num_kv_heads && x->size(2) == cache->size(3), name, " is [num_tokens, ",
+                      x->size(1), ", ", x->size(2), "] but its cache holds [num_kv_heads=", num_kv_heads,
+                      ", head_size=", cache->size(3), "]");
   }
-  TORCH_CHECK_VALUE(key.sizes() == value.sizes(), "key shape ", shape_str(key.sizes()), " != value shape ",
-                    shape_str(value.sizes()));
+  TORCH_CHECK_VALUE(key.size(0) == value.size(0), "key has ", key.size(0), " tokens but value has ", value.size(0));
   TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type(), "key dtype ", dtype_str(key.scalar_type()),
                     " != value dtype ", dtype_str(value.scalar_type()));
   TORCH_CHECK_VALUE(key_cache.scalar_type() == key.scalar_type() || is_fp8(key_cache.scalar_type()),
@@ -461,7 +472,7 @@ void check_decode_attention(const Tensor& out, const Tensor& query, const Tensor
                             const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                             const OptTensor& k_scale, const OptTensor& v_scale) {
   check_caches(key_cache, value_cache);
-  check_query_out(out, query, key_cache);
+  check_query_out(out, query, key_cache, value_cache);
   check_scales(key_cache.scalar_type(), key_cache.size(2), key_cache.device(), k_scale, v_scale, query.size(0));
   // seq_lens 0 is allowed (a padded slot): the row sees no key (reference.attention's empty row).
   check_block_tables(block_tables, seq_lens, query.size(0), key_cache.size(0), key_cache.size(1),
@@ -473,7 +484,7 @@ void check_prefill_attention(const Tensor& out, const Tensor& query, const Tenso
                              const Tensor& seq_lens, int64_t max_seqlen_q, const OptTensor& k_scale,
                              const OptTensor& v_scale) {
   check_caches(key_cache, value_cache);
-  check_query_out(out, query, key_cache);
+  check_query_out(out, query, key_cache, value_cache);
   const c10::Device device = key_cache.device();
   check_index_tensor("cu_seqlens_q", cu_seqlens_q, at::kInt, 1, device);
   const int64_t num_seqs = cu_seqlens_q.size(0) - 1;
