@@ -93,32 +93,38 @@ struct Scratch {
   std::vector<uint32_t> v_finite;        // value rows with inf / NaN elements 0 (copy_finite)
   std::vector<uint32_t> v_zero;          // a value row of zeros (never written after resize)
   // rows per KV head: scores and visibility are per head (reused head after head), the rest
-  // (queries, accumulators, softmax state) for all the task's heads.
-  void resize(int64_t rows, int64_t heads, int head_size) {
-    q.resize(size_t(rows) * heads * head_size);
-    acc.resize(size_t(rows) * heads * head_size);
-    fold_acc.resize(size_t(rows) * heads * head_size);
+  // (queries, accumulators, softmax state) for all the task's heads. Query rows have the key head
+  // size dk, accumulators and output rows the value head size dv (MLA: dv < dk). The fp32 query
+  // (fp32_query: the 8/16-lane QK; the dot paths read the query as it is) and the fold's
+  // accumulator (fold: tasks that fold chunks) are sized only where the task uses them: at 128
+  // query heads of 576 they are most of the scratch.
+  void resize(int64_t rows, int64_t heads, int dk, int dv, bool fp32_query, bool fold) {
+    if (fp32_query) q.resize(size_t(rows) * heads * dk);
+    acc.resize(size_t(rows) * heads * dv);
+    if (fold) fold_acc.resize(size_t(rows) * heads * dv);
     s.resize(size_t(rows) * kTileTokens);
     m.resize(size_t(rows) * heads);
     l.resize(size_t(rows) * heads);
     fold_m.resize(size_t(rows) * heads);
     fold_w.resize(size_t(rows) * heads);
-    out.resize(head_size);
-    v_finite.resize(size_t(kTileTokens) * head_size);  // 4 bytes per element: any cache dtype
-    v_zero.resize(head_size);
+    out.resize(dv);
+    v_finite.resize(size_t(kTileTokens) * dv);  // 4 bytes per element: any cache dtype
+    v_zero.resize(dv);
+  }
+  void resize_rows(int64_t rows) {  // each row's visible keys and position (plan_rows)
     first_visible.resize(rows);
     last_visible.resize(rows);
     position.resize(rows);
   }
-  void resize_dot(int64_t rows, int64_t heads, int head_size) {
-    const int64_t dv = (head_size + 31) / 32 * 32;
-    qb.resize(size_t(rows) * heads * head_size / 2);
-    kt.resize(size_t(head_size / 2) * kTileTokens);
-    vp.resize(size_t(kTileTokens / 2) * dv);
+  void resize_dot(int64_t rows, int64_t heads, int dk, int dv) {
+    const int64_t dv32 = (dv + 31) / 32 * 32;
+    qb.resize(size_t(rows) * heads * dk / 2);
+    kt.resize(size_t(dk / 2) * kTileTokens);
+    vp.resize(size_t(kTileTokens / 2) * dv32);
     pb.resize(size_t(rows) * kTileTokens / 2);
-    acc32.resize(size_t(rows) * heads * dv);
+    acc32.resize(size_t(rows) * heads * dv32);
     acc_scale.resize(size_t(rows) * heads);
-    kw.resize(size_t(kTileTokens) * head_size);
+    kw.resize(size_t(kTileTokens) * std::max(dk, dv));  // K's rows and V's, widened in turn
   }
 };
 
@@ -303,7 +309,9 @@ struct Prefetch {
   const CT* const* k = nullptr;
   const CT* const* v = nullptr;
   int n = 0;  // rows in the next tile (0: nothing to fetch)
-  int64_t row_bytes = 0;
+  // Bytes of a key row and of a value row (MLA: they differ; 0 when the value rows lie inside the
+  // key rows, as the absorbed latent's do: fetched with the keys already).
+  int64_t k_row_bytes = 0, v_row_bytes = 0;
   int per_step = 1;  // rows fetched per row of this tile, so the whole next tile is covered
   int64_t k_offset = 0, v_offset = 0;  // the KV head's offset from the token's base pointer
 
@@ -313,11 +321,12 @@ struct Prefetch {
     values(j, count);
   }
   // The keys / the values of the same rows alone (decode_dot.h spreads them over QK and PV).
-  __attribute__((always_inline)) void keys(int j, int count) const { lines(k, k_offset, j, count); }
-  __attribute__((always_inline)) void values(int j, int count) const { lines(v, v_offset, j, count); }
+  __attribute__((always_inline)) void keys(int j, int count) const { lines(k, k_offset, k_row_bytes, j, count); }
+  __attribute__((always_inline)) void values(int j, int count) const { lines(v, v_offset, v_row_bytes, j, count); }
 
  private:
-  __attribute__((always_inline)) void lines(const CT* const* base, int64_t offset, int j, int count) const {
+  __attribute__((always_inline)) void lines(const CT* const* base, int64_t offset, int64_t row_bytes, int j,
+                                            int count) const {
     for (int i = j * per_step; i < std::min(n, (j + count) * per_step); ++i)
       for (int64_t b = 0; b < row_bytes; b += 64) prefetch(reinterpret_cast<const char*>(base[i] + offset) + b);
   }
@@ -447,7 +456,7 @@ using SmallDotElem = std::conditional_t<is_fp8_v<CT>, CT, uint16_t>;
 // and the micro-kernels it runs. For each KV head, rows are (query token, head in group) pairs:
 // row r = token * group + g.
 struct TaskShape {
-  int D;                 // head size; validated: at most 256
+  int Dk, Dv;            // key (query) and value (output) head sizes: Dv <= Dk, at most 576
   int64_t group;         // query heads per KV head
   int64_t rows;          // per KV head
   int64_t heads;         // KV heads of the task
@@ -464,7 +473,7 @@ struct TaskShape {
   // the bf16 dot products on the query as it is (w.qb): dot (re-laid tiles, bf16_dot.h) or
   // small_dot (rows as they lie, decode_dot.h).
   bool query_as_is, dot, small_dot;
-  int dot_dv;  // the dot path's accumulator row: D rounded up to 32
+  int dot_dv;  // the dot path's accumulator row: Dv rounded up to 32
 };
 
 // Stage: choose_kernels. The bf16 dot products (both read the query as it is, never w.q) for the
@@ -489,7 +498,8 @@ inline void choose_kernels(const AttentionParams& p, TaskShape& sh) {
 template <typename QT, typename CT>
 inline TaskShape plan_rows(const AttentionParams& p, const Task& t, Scratch& w) {
   TaskShape sh{};
-  sh.D = int(p.head_size);
+  sh.Dk = int(p.head_size);
+  sh.Dv = int(p.value_head_size);
   sh.group = p.num_heads / p.num_kv_heads;
   const QueryRows seq_rows = query_rows(p, t.seq);
   const int64_t kv_len = p.seq_lens[t.seq];
@@ -497,7 +507,7 @@ inline TaskShape plan_rows(const AttentionParams& p, const Task& t, Scratch& w) 
   sh.rows = tokens * sh.group;
   sh.heads = t.kv_head_end - t.kv_head_begin;
   sh.split = t.num_splits > 1;
-  w.resize(sh.rows, sh.heads, sh.D);
+  w.resize_rows(sh.rows);
   const int64_t group = sh.group;
   int64_t lo_all = std::numeric_limits<int64_t>::max(), hi_all = -1;
   int64_t common_lo = 0, common_hi = std::numeric_limits<int64_t>::max();
@@ -520,8 +530,9 @@ inline TaskShape plan_rows(const AttentionParams& p, const Task& t, Scratch& w) 
   sh.end = std::min(t.kv_end, hi_all + 1);
   sh.begin = sh.end <= lo_all ? sh.end : std::max(t.kv_begin, lo_all / kTileTokens * kTileTokens);
   sh.direct = !sh.split && t.chunk_tokens == 0 && sh.begin < sh.end;
-  sh.dot_dv = (sh.D + 31) / 32 * 32;
+  sh.dot_dv = (sh.Dv + 31) / 32 * 32;
   choose_kernels<QT, CT>(p, sh);
+  w.resize(sh.rows, sh.heads, sh.Dk, sh.Dv, !sh.query_as_is, !sh.direct);
   return sh;
 }
 
@@ -534,7 +545,7 @@ inline TaskShape plan_rows(const AttentionParams& p, const Task& t, Scratch& w) 
 template <typename QT, typename CT>
 inline void load_queries(const AttentionParams& p, const Task& t, const TaskShape& sh, Scratch& w) {
   const QT* query = static_cast<const QT*>(p.query);
-  const int D = sh.D;
+  const int D = sh.Dk;  // query rows
   const int64_t group = sh.group, rows = sh.rows, heads = sh.heads;
   for (int64_t hl = 0; hl < heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
@@ -550,10 +561,10 @@ inline void load_queries(const AttentionParams& p, const Task& t, const TaskShap
       w.fold_w[hl * rows + r] = 0.0;
     }
   }
-  if (!sh.direct) std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * D, 0.0);
+  if (!sh.direct) std::fill(w.fold_acc.begin(), w.fold_acc.begin() + size_t(rows) * heads * sh.Dv, 0.0);
 #if defined(__AVX512BF16__)
   if (sh.dot || sh.small_dot) {
-    w.resize_dot(rows, heads, D);
+    w.resize_dot(rows, heads, sh.Dk, sh.Dv);
     for (int64_t hl = 0; hl < heads; ++hl)
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t token = t.q_begin + r / group, head = (t.kv_head_begin + hl) * group + r % group;
@@ -574,7 +585,7 @@ inline void begin_chunk(const TaskShape& sh, Scratch& w) {
   const int64_t rows = sh.rows, heads = sh.heads;
   for (int64_t hl = 0; hl < heads; ++hl)
     for (int64_t r = 0; r < rows; ++r) w.m[hl * rows + r] = kNegInf, w.l[hl * rows + r] = 0.0;
-  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * sh.D, 0.0);
+  std::fill(w.acc.begin(), w.acc.begin() + size_t(rows) * heads * sh.Dv, 0.0);
 }
 
 // Tokens [j0, j0 + n) of the chunk ending at c1, n <= kTileTokens.
@@ -638,7 +649,7 @@ __attribute__((always_inline)) inline void score_tile(const AttentionParams& p, 
                                                       const P& next) {
   using Exact = typename CacheRead<CT>::Exact;
   using Finite = typename CacheRead<CT>::Finite;
-  const int D = sh.D;
+  const int D = sh.Dk;  // query and key rows
   const int64_t rows = sh.rows;
 #if defined(__AVX512BF16__)
   // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
@@ -727,7 +738,7 @@ __attribute__((always_inline)) inline float online_softmax_update(float* s, floa
 // rows too large to rescale often) at the next flush (acc_scale).
 __attribute__((always_inline)) inline void softmax_tile(const AttentionParams& p, const TaskShape& sh, Scratch& w,
                                                         int64_t hl, int64_t h, int64_t j0, int n) {
-  const int D = sh.D;
+  const int D = sh.Dv;  // accumulator rows
   const int64_t rows = sh.rows, group = sh.group;
   double* acc = &w.acc[size_t(hl) * rows * D];
   float* m = &w.m[hl * rows];
@@ -791,7 +802,7 @@ __attribute__((always_inline)) inline void accumulate_pv(const TaskShape& sh, Sc
                                                          int64_t c0, int64_t c1) {
   using Exact = typename CacheRead<CT>::Exact;
   using Finite = typename CacheRead<CT>::Finite;
-  const int D = sh.D;
+  const int D = sh.Dv;  // value and accumulator rows
   const int64_t rows = sh.rows;
   double* acc = &w.acc[size_t(hl) * rows * D];
 #if defined(__AVX512BF16__)
@@ -833,7 +844,7 @@ __attribute__((always_inline)) inline void accumulate_pv(const TaskShape& sh, Sc
 template <typename QT, typename CT>
 inline void finish_chunk(const AttentionParams& p, const Task& t, const TaskShape& sh, Scratch& w, float* partial,
                          double* part_lse) {
-  const int D = sh.D;
+  const int D = sh.Dv;  // output rows
   const int64_t rows = sh.rows, group = sh.group;
   for (int64_t hl = 0; hl < sh.heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
@@ -867,7 +878,7 @@ inline void finish_chunk(const AttentionParams& p, const Task& t, const TaskShap
 // fold and its sink (fold_finish).
 template <typename QT>
 inline void finish_rows(const AttentionParams& p, const Task& t, const TaskShape& sh, Scratch& w) {
-  const int D = sh.D;
+  const int D = sh.Dv;  // output rows
   const int64_t rows = sh.rows, group = sh.group;
   for (int64_t hl = 0; hl < sh.heads; ++hl) {
     const int64_t kv_head = t.kv_head_begin + hl;
@@ -902,7 +913,13 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   tiles.table = p.block_tables + t.seq * p.block_table_stride;
   const Exact* k_rows[kTileTokens];  // the rows of the head being computed
   const Exact* v_rows[kTileTokens];
-  const int64_t row_bytes = int64_t(sh.D) * sizeof(CT);
+  // Prefetched bytes per token and head. Value rows inside the key rows (the absorbed latent:
+  // value_cache = key_cache[..., :Dv], the same strides) come with the keys' lines.
+  const int64_t k_row_bytes = int64_t(sh.Dk) * sizeof(CT);
+  const bool values_in_keys = p.value_cache == p.key_cache && p.v_stride_block == p.k_stride_block &&
+                              p.v_stride_token == p.k_stride_token && p.v_stride_head == p.k_stride_head &&
+                              sh.Dv <= sh.Dk;
+  const int64_t v_row_bytes = values_in_keys ? 0 : int64_t(sh.Dv) * sizeof(CT);
 
   // Chunks: the whole range, or (batch-invariant mode) its pieces between absolute multiples of
   // chunk_tokens. Each is one online softmax, then folded into the rows' outputs.
@@ -913,7 +930,8 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
     tiles.locate(p, sh.lo_all, c0, first_n, 0);
     for (int64_t hl = 0; hl < sh.heads; ++hl) {
       const int64_t h = t.kv_head_begin + hl;
-      Prefetch<CT>{tiles.k_tokens[0], tiles.v_tokens[0], first_n, row_bytes, 1, h * p.k_stride_head, h * p.v_stride_head}
+      Prefetch<CT>{tiles.k_tokens[0], tiles.v_tokens[0], first_n, k_row_bytes, v_row_bytes, 1, h * p.k_stride_head,
+                   h * p.v_stride_head}
           .rows(0, kTileTokens);
     }
     for (int64_t j0 = c0, slot = 0; j0 < c1; j0 += kTileTokens, slot ^= 1) {
@@ -937,12 +955,12 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
           v_rows[j] = reinterpret_cast<const Exact*>(tiles.v_tokens[slot][j] + h * p.v_stride_head);
         }
         for (int j = 0; j < aliased; ++j) v_rows[j] = reinterpret_cast<const Exact*>(w.v_zero.data());
-        const Prefetch<CT> next{tiles.k_tokens[slot ^ 1], tiles.v_tokens[slot ^ 1], next_n, row_bytes,
+        const Prefetch<CT> next{tiles.k_tokens[slot ^ 1], tiles.v_tokens[slot ^ 1], next_n, k_row_bytes, v_row_bytes,
                                 (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
         score_tile<QT, CT>(p, t, sh, w, hl, h, k_rows, n, next);
         softmax_tile(p, sh, w, hl, h, j0, n);
         NonfiniteValues nf;
-        if (some_hidden) hide_nonfinite_values<CT>(w, v_rows, aliased, seen_lo, seen_hi, n, sh.D, nf);
+        if (some_hidden) hide_nonfinite_values<CT>(w, v_rows, aliased, seen_lo, seen_hi, n, sh.Dv, nf);
         accumulate_pv<QT, CT>(sh, w, hl, v_rows, n, next, nf, j0, c0, c1);
       }
     }
@@ -957,7 +975,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
 // In fp64: an fp32 lse of a long context (~18 at 1e8 tokens) would carry a ~1e-6 weight error.
 template <typename QT>
 void merge_splits(const AttentionParams& p, const Task* splits, const float* partial, const double* part_lse) {
-  const int D = int(p.head_size);
+  const int D = int(p.value_head_size);  // the parts' and the output's rows
   const int64_t group = p.num_heads / p.num_kv_heads;
   const Task& t = splits[0];
   const int64_t rows = (t.q_end - t.q_begin) * group;  // per KV head
@@ -1065,12 +1083,12 @@ void paged_attention(const AttentionParams& p) {
     const int64_t keys = p.window_left >= 0 && right >= 0
                              ? std::min<int64_t>(p.seq_lens[s], p.window_left + right + q_len)
                              : p.seq_lens[s];
-    work += double(q_len) * keys * p.num_heads * p.head_size;
+    work += double(q_len) * keys * p.num_heads * double(p.head_size + p.value_head_size) / 2;  // QK and PV
   }
   const bool parallel = work >= double(kMinParallelWork) && omp_get_max_threads() > 1;
   int64_t partial_rows = 0;
   const std::vector<Task> tasks = plan_tasks(p, parallel ? omp_get_max_threads() : 1, partial_rows);
-  std::vector<float> partial(size_t(partial_rows) * p.head_size);
+  std::vector<float> partial(size_t(partial_rows) * p.value_head_size);
   std::vector<double> part_lse(partial_rows);
   const int64_t num_tasks = int64_t(tasks.size());
   // Run largest first (keys walked x rows), so the dynamic schedule ends on small tasks: causal
