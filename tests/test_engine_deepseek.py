@@ -154,3 +154,13 @@ def test_fp8_latent_cache_is_refused_and_bad_requests_leave_nothing(ckpt, ref):
     llm, outs = run(ckpt("deepseek_v3"), [PROMPTS[1], too_long, []], block_size=4, num_kv_blocks=12)
     assert tokens(outs[:1]) == ref("deepseek_v3")[1:2]
     assert isinstance(outs[1].error, ValueError) and outs[1].outputs == [] and isinstance(outs[2].error, ValueError)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bfloat16_runs_close_to_float32(ckpt, ref, arch):
+    # bf16 weights (oneDNN-packed linears on CPUs that have them) and a bf16 latent cache; chunked
+    # so the non-absorbed path reads bf16 context latents too. A tiny random model's logits are
+    # flat: bf16 rounding may flip a first token, as for Llama (test_engine_e2e)
+    llm, outs = run(ckpt(arch), dtype="bfloat16", block_size=4, max_num_batched_tokens=7)
+    assert llm.runner.kv.key_caches[0].dtype == torch.bfloat16 and llm.runner.model.layers[0].self_attn.w_uk.dtype == torch.bfloat16
+    assert sum(t[0] == r[0] for t, r in zip(tokens(outs), ref(arch))) >= len(PROMPTS) - 1
