@@ -227,7 +227,10 @@ def mla_attention(meta: AttentionMetadata, layer: int, q_nope: torch.Tensor, q_p
     [H, qk_nope, rank] and ``w_uv`` [H, v_head, rank], and ``scale`` (DeepSeek's softmax scale).
 
     The cache ``[num_blocks, block_size, 1, rank + rope]`` holds one row per token:
-    ``concat_and_cache_mla(latent, k_pe)``.
+    ``concat_and_cache_mla(latent, k_pe)``. An fp8 cache has one float32 scale per layer (the
+    checkpoint's k_scale, as vLLM's MLA, else ``amax / fp8_max`` of the layer's first prefill over
+    latent and RoPE part; later outliers saturate), the k_scale and v_scale of the decode, and the
+    prefill's dequantization (float32, then the model dtype) before the up-projection.
 
     Decode (every row q_len 1) is the absorbed form: ``q_nope . (W_UK c) = (W_UK^T q_nope) . c``, so
     each head's query moves into the latent space and attends the latent rows directly, one KV head
@@ -246,17 +249,24 @@ def mla_attention(meta: AttentionMetadata, layer: int, q_nope: torch.Tensor, q_p
     K/V (they are read back from the latent cache like the rest), and at most ``block_size - 1``
     unused rows per sequence up-projected (the slots past ``seq_lens``, never read). The scratch
     is freed after the layer, so peak memory is one layer's context in per-head form."""
-    paged, cache = ops(), meta.kv.key_caches[layer]
+    paged, kv = ops(), meta.kv
+    cache = kv.key_caches[layer]
     rank, T, H = latent.shape[1], q_nope.shape[0], q_nope.shape[1]
-    paged.concat_and_cache_mla(latent, k_pe, cache, meta.slot_mapping, None)
+    if kv.is_fp8 and kv.k_scales[layer] is None:  # no checkpoint scale: calibrate on the first prefill
+        amax = torch.maximum(latent.abs().amax(), k_pe.abs().amax()).float().clamp(min=1e-6)
+        kv.k_scales[layer] = kv.v_scales[layer] = (amax / torch.finfo(cache.dtype).max).reshape(1)
+    fp8_scale = kv.k_scales[layer] if kv.is_fp8 else None  # float32 [1]: latent and RoPE part alike
+    paged.concat_and_cache_mla(latent, k_pe, cache, meta.slot_mapping, fp8_scale)
     if meta.decode_only:
         query = torch.cat([torch.einsum("thn,hnr->thr", q_nope, mla.w_uk), q_pe], dim=-1)  # [T, H, rank + rope]
         out = query.new_empty(T, H, rank)
-        paged.decode_attention(out, query, cache, meta.kv.value_caches[layer], meta.block_tables, meta.seq_lens,
-                               mla.scale, None, None)
+        paged.decode_attention(out, query, cache, kv.value_caches[layer], meta.block_tables, meta.seq_lens,
+                               mla.scale, fp8_scale, fp8_scale)
         return torch.einsum("thr,hvr->thv", out, mla.w_uv)  # [T, H, v_head]
     block_ids, tables = mla_context_blocks(meta)
     rows = cache[block_ids]  # [nb, block_size, 1, rank + rope]
+    if fp8_scale is not None:
+        rows = (rows.float() * fp8_scale).to(q_nope.dtype)
     nb, block_size, nope, rope = rows.shape[0], rows.shape[1], q_nope.shape[2], k_pe.shape[1]
     kv = mla.kv_b_proj(rows[:, :, 0, :rank]).view(nb, block_size, H, -1)  # [nb, bs, H, nope + v_head]
     keys = torch.cat([kv[..., :nope], rows[..., rank:].expand(nb, block_size, H, rope)], dim=-1)

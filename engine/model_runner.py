@@ -72,9 +72,6 @@ class ModelRunner:
         self.num_layers = cfg.num_hidden_layers
         # the native DeepSeek model caches MLA's latent; through transformers it gets per-head K/V
         self.cache_layout = cache_layout(cfg, latent=self.model_impl == "native" and is_mla(cfg))
-        if self.cache_layout.value_in_key and config.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={config.kv_cache_dtype!r} is not supported for the latent (MLA) cache of "
-                             f"{type(self.model).__name__} (only 'auto'); model_impl='transformers' caches per-head K/V")
         self.cache_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.bytes_per_block = self.num_layers * self.block_size * self.cache_layout.bytes_per_token(self.cache_dtype)
 
@@ -88,7 +85,8 @@ class ModelRunner:
         scales = load_kv_scales(config.model, self.num_layers) if self.kv.is_fp8 else None
         if scales:
             self.kv.k_scales = [s.to(self.device) for s in scales[0]]
-            self.kv.v_scales = [s.to(self.device) for s in scales[1]]
+            # a latent cache has one scale per layer: the k_scale (vLLM's MLA passes layer._k_scale)
+            self.kv.v_scales = self.kv.k_scales if self.kv.value_in_key else [s.to(self.device) for s in scales[1]]
         num_cpu_blocks = 0
         if config.preemption_mode == "swap":
             num_cpu_blocks = config.num_cpu_blocks

@@ -147,9 +147,56 @@ def test_mla_context_blocks_dedupes_shared_blocks():
     assert mla_context_blocks(meta)[0] is ids  # once per step
 
 
-def test_fp8_latent_cache_is_refused_and_bad_requests_leave_nothing(ckpt, ref):
-    with pytest.raises(ValueError, match="latent"):
-        LLM(ckpt("deepseek_v3"), num_kv_blocks=8, kv_cache_dtype="fp8")
+def hf_greedy_fp8_latents(model_dir: str, prompts, max_tokens: int, fp8: torch.dtype, scales) -> list[list[int]]:
+    """transformers' greedy generate with every cached latent and RoPE part rounded through fp8 with
+    the engine's per-layer scales (saturating, as the contract): the oracle of an fp8 latent cache."""
+    from transformers import DynamicCache
+    from paged_ops.reference import saturating_fp8_cast
+
+    class Fp8Latents(DynamicCache):
+        def update(self, latent, k_pe, layer_idx, *args, **kwargs):  # [1, 1, S, rank], [1, 1, S, rope]
+            s = scales[layer_idx].float()
+            rounded = lambda x: (saturating_fp8_cast(x, s, fp8).float() * s).to(x.dtype)  # noqa: E731
+            return super().update(rounded(latent), rounded(k_pe), layer_idx, *args, **kwargs)
+
+    model = hf_model(model_dir)
+    model.generation_config.eos_token_id = None
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                                 min_new_tokens=max_tokens, do_sample=False, cache=Fp8Latents(config=model.config))
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("arch, kv_cache_dtype", [("deepseek_v3", "fp8"), ("deepseek_v2", "fp8_e5m2")])
+def test_fp8_latent_cache(ckpt, ref, arch, kv_cache_dtype):
+    # chunks of 16: later chunks dequantize fp8 context latents before the up-projection
+    llm, outs = run(ckpt(arch), block_size=4, kv_cache_dtype=kv_cache_dtype, max_num_batched_tokens=16)
+    kv = llm.runner.kv
+    fp8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    assert kv.key_caches[0].dtype == fp8 and kv.value_caches[0].data_ptr() == kv.key_caches[0].data_ptr()
+    assert all(s.shape == (1,) and s.dtype == torch.float32 for s in kv.k_scales) and kv.v_scales == kv.k_scales
+    assert tokens(outs) == hf_greedy_fp8_latents(ckpt(arch), PROMPTS, MAX_TOKENS, fp8, kv.k_scales)
+    assert tokens(outs) != ref(arch)  # the rounding shows in a tiny random model's tokens: the oracle is not the fp32 one
+
+
+def test_checkpoint_k_scale_is_the_latent_scale(ckpt, tmp_path):
+    import shutil
+    from safetensors.torch import save_file
+    model = shutil.copytree(ckpt("deepseek_v3"), tmp_path / "ckpt")
+    scales = {f"model.layers.{i}.self_attn.{kv}_scale": torch.tensor(0.01 * (i + 1) * (3 if kv == "v" else 1))
+              for i in range(2) for kv in "kv"}
+    save_file(scales, model / "kv_scales.safetensors")  # not in the HF index: only the engine reads it
+    llm, outs = run(str(model), block_size=4, kv_cache_dtype="fp8")
+    kv = llm.runner.kv
+    assert [float(s) for s in kv.k_scales] == [float(s) for s in kv.v_scales] == pytest.approx([0.01, 0.02])
+    assert tokens(outs) == hf_greedy_fp8_latents(str(model), PROMPTS, MAX_TOKENS, torch.float8_e4m3fn, kv.k_scales)
+
+
+def test_bad_requests_leave_nothing(ckpt, ref):
     too_long = list(range(10)) * 5  # 50 tokens > 12 blocks * 4 slots
     llm, outs = run(ckpt("deepseek_v3"), [PROMPTS[1], too_long, []], block_size=4, num_kv_blocks=12)
     assert tokens(outs[:1]) == ref("deepseek_v3")[1:2]
