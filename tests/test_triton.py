@@ -207,7 +207,7 @@ def test_gpu_tuning_picks_and_persists(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGED_OPS_CACHE_DIR", str(tmp_path))
     candidates = [decode.default_config(128, F16),
                   {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2, "split_scale": 2.0}]
-    monkeypatch.setattr(decode, "_candidates", lambda head_size, dtype: candidates)
+    monkeypatch.setattr(decode, "_candidates", lambda head_size, dtype, value_head_size=None: candidates)
     case = make_case([300, 1000], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=F16, seed=11,
                      device=DEVICE)
     args, ref = case.decode_args(nan_like(case.query)), case.reference_decode()

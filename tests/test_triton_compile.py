@@ -62,6 +62,28 @@ def test_compile_matrix_sm80_sm90_no_spills():
     print(f"compile matrix: {len(rows)} distinct compiles in {elapsed:.0f} s")
 
 
+def test_mla_compile_matrix_sm80_sm90_no_spills():
+    # MLA's shapes (#24 item 1, aot.mla_matrix_launches): absorbed decode (576 / 512 on one latent
+    # KV head, value = the key's first 512 columns, 16 and 128 heads, split + reduce and unsplit),
+    # an absorbed prefill, DeepSeek's 192 / 128 prefill and decode, over bf16 / fp16 / fp32 and
+    # e4m3fn caches, every variant at once and the batch-invariant path on the bf16 shapes.
+    start = time.monotonic()
+    rows = _run("""
+        import json
+        from paged_ops.triton import aot
+        print(json.dumps(aot.compile_matrix(archs=(80, 90), mla=True)))
+    """, timeout=3000)
+    elapsed = time.monotonic() - start
+    from paged_ops.triton.aot import SMEM_LIMIT
+    assert {r["kernel"] for r in rows} == {"decode", "decode_reduce", "prefill"}
+    assert {(r["head_size"], r["value_head_size"]) for r in rows} == {(576, 512), (192, 128)}
+    assert {r["heads"] for r in rows if r["head_size"] == 576} == {16, 128}
+    bad = [r for r in rows if "error" in r or r["spills"] or not 0 <= r["shared"] <= SMEM_LIMIT[r["arch"]]]
+    assert not bad, "\n".join(json.dumps(r) for r in bad)[:8000]
+    print(f"MLA compile matrix: {len(rows)} distinct compiles in {elapsed:.0f} s, "
+          f"max registers {max(r['registers'] for r in rows)}")
+
+
 def test_engine_like_run_compiles_few_variants():
     # A serving engine changes the batch, the block-table width (the longest sequence grows)
     # and with it decode's split count and partition size every few steps. Integer arguments

@@ -135,14 +135,22 @@ def compile_launch(launch: Launch, arch: int) -> dict:
 NUM_KV_HEADS, GROUP, BLOCK_SIZE = 2, 4, 16
 
 
-def _cache(num_blocks, head_size, dtype):
+def _cache(num_blocks, head_size, dtype, num_kv_heads=NUM_KV_HEADS):
     # [num_blocks, block_size, num_kv_heads, head_size], contiguous: the engine's layout.
-    return torch.zeros(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, head_size).to(dtype)
+    return torch.zeros(num_blocks, BLOCK_SIZE, num_kv_heads, head_size).to(dtype)
 
 
-def _scales(cache_dtype):
+def _caches(head_size, cache_dtype, value_head_size=None, num_kv_heads=NUM_KV_HEADS, value_in_key=False):
+    """(key_cache, value_cache): values of value_head_size (default head_size); value_in_key:
+    value_cache = key_cache[..., :value_head_size], absorbed MLA's latent view."""
+    kc = _cache(4, head_size, cache_dtype, num_kv_heads)
+    vs = value_head_size or head_size
+    return kc, kc[..., :vs] if value_in_key else _cache(4, vs, cache_dtype, num_kv_heads)
+
+
+def _scales(cache_dtype, num_kv_heads=NUM_KV_HEADS):
     if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        return torch.ones(NUM_KV_HEADS), torch.ones(1)  # per-head k, per-tensor v: both code paths
+        return torch.ones(num_kv_heads), torch.ones(1)  # per-head k, per-tensor v: both code paths
     return None, None
 
 
@@ -157,26 +165,31 @@ def _variants(spec: str, num_heads: int):
 
 
 def decode_launches(dtype, cache_dtype, head_size, num_seqs, seq_len, table_width=None,
-                    config=None, sms=132, variants: str = "", batch_invariant: bool = False) -> list[Launch]:
+                    config=None, sms=132, variants: str = "", batch_invariant: bool = False,
+                    value_head_size=None, num_kv_heads=NUM_KV_HEADS, group=GROUP,
+                    value_in_key=False) -> list[Launch]:
     """Launches of one decode_attention call (default config unless ``config``): the split
     heuristic sees ``sms`` SMs, so small batches record the split kernel and the reduce.
-    ``variants``: see _variants; ``batch_invariant``: the row-wise path (decode.run_rows)."""
+    ``variants``: see _variants; ``batch_invariant``: the row-wise path (decode.run_rows);
+    value_head_size, num_kv_heads, group, value_in_key: MLA's shapes (_caches)."""
     # Nothing runs: a few blocks suffice, the table width alone sets the length bound.
     width = table_width or -(-seq_len // BLOCK_SIZE)
-    kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
-    q = torch.zeros(num_seqs, NUM_KV_HEADS * GROUP, head_size, dtype=dtype)
+    kc, vc = _caches(head_size, cache_dtype, value_head_size, num_kv_heads, value_in_key)
+    q = torch.zeros(num_seqs, num_kv_heads * group, head_size, dtype=dtype)
+    out = torch.empty(num_seqs, num_kv_heads * group, vc.shape[3], dtype=dtype)
     table = torch.zeros(num_seqs, width, dtype=torch.int32)
     seq_lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
-    k_scale, v_scale = _scales(cache_dtype)
+    k_scale, v_scale = _scales(cache_dtype, num_kv_heads)
     v = _with_lse(_variants(variants, q.shape[1]), variants, q)
     with record_launches(sms) as launches:
         if batch_invariant:
-            decode.run_rows(torch.empty_like(q), q, kc, vc, table, seq_lens,
+            decode.run_rows(out, q, kc, vc, table, seq_lens,
                             torch.arange(num_seqs + 1, dtype=torch.int32), True, head_size ** -0.5, k_scale, v_scale,
                             v, config)
         else:
-            decode.run_decode(torch.empty_like(q), q, kc, vc, table, seq_lens, head_size ** -0.5, k_scale, v_scale,
-                              config or decode.default_config(head_size, dtype, cache_dtype, v), variants=v)
+            decode.run_decode(out, q, kc, vc, table, seq_lens, head_size ** -0.5, k_scale, v_scale,
+                              config or decode.default_config(head_size, dtype, cache_dtype, v, vc.shape[3]),
+                              variants=v)
     return launches
 
 
@@ -187,23 +200,76 @@ def _with_lse(v: Variants, spec: str, q: torch.Tensor) -> Variants:
 
 
 def prefill_launches(dtype, cache_dtype, head_size, q_lens, seq_lens, table_width=None, config=None,
-                     causal=True, variants: str = "", batch_invariant: bool = False) -> list[Launch]:
+                     causal=True, variants: str = "", batch_invariant: bool = False, value_head_size=None,
+                     num_kv_heads=NUM_KV_HEADS, group=GROUP, value_in_key=False) -> list[Launch]:
     width = table_width or -(-max(seq_lens) // BLOCK_SIZE)
-    kc, vc = _cache(4, head_size, cache_dtype), _cache(4, head_size, cache_dtype)
-    q = torch.zeros(sum(q_lens), NUM_KV_HEADS * GROUP, head_size, dtype=dtype)
+    kc, vc = _caches(head_size, cache_dtype, value_head_size, num_kv_heads, value_in_key)
+    q = torch.zeros(sum(q_lens), num_kv_heads * group, head_size, dtype=dtype)
+    out = torch.empty(sum(q_lens), num_kv_heads * group, vc.shape[3], dtype=dtype)
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
-    k_scale, v_scale = _scales(cache_dtype)
+    k_scale, v_scale = _scales(cache_dtype, num_kv_heads)
     v = _with_lse(_variants(variants, q.shape[1]), variants, q)
     table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
     with record_launches() as launches:
         if batch_invariant:
-            decode.run_rows(torch.empty_like(q), q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), cu,
+            decode.run_rows(out, q, kc, vc, table, torch.tensor(seq_lens, dtype=torch.int32), cu,
                             causal, head_size ** -0.5, k_scale, v_scale, v)
         else:
-            prefill.run_prefill(torch.empty_like(q), q, kc, vc, table, cu, torch.tensor(seq_lens, dtype=torch.int32),
+            prefill.run_prefill(out, q, kc, vc, table, cu, torch.tensor(seq_lens, dtype=torch.int32),
                                 max(q_lens), head_size ** -0.5, causal, k_scale, v_scale,
-                                config or prefill.default_config(head_size, dtype, cache_dtype, v), v)
+                                config or prefill.default_config(head_size, dtype, cache_dtype, v, vc.shape[3]), v)
     return launches
+
+
+# MLA's shapes (#24 item 1): DeepSeek-V2/V3's absorbed decode (one latent KV head of 512 + 64,
+# the value its first 512 columns, 16 or 128 query heads) and non-absorbed prefill (keys 128 + 64,
+# values 128, one KV head per query head), as the keyword arguments of decode_launches /
+# prefill_launches.
+MLA_ABSORBED = {"head_size": 576, "value_head_size": 512, "num_kv_heads": 1, "value_in_key": True}
+MLA_PREFILL = {"head_size": 192, "value_head_size": 128, "num_kv_heads": 8, "group": 1}
+
+
+def mla_matrix_launches(dtypes=(torch.bfloat16, torch.float16, torch.float32),
+                        fp8=(torch.float8_e4m3fn,)) -> list[tuple[dict, Launch]]:
+    """The MLA shapes' default-config launches: absorbed decode at 16 and 128 heads, split (batch
+    1, long context: the reduce too) and unsplit (a full batch), and an absorbed prefill at 16
+    heads; DeepSeek's 192 / 128 prefill and its decode rows; each over query dtypes x {same
+    cache, fp8} (fp8 with 16-bit queries), plus every variant at once and the batch-invariant
+    path on the bf16 shapes. (case, launch) pairs; cases carry value_head_size and heads."""
+    rows = []
+
+    def add(dtype, cache_dtype, shape, heads, launches, spec="none", bi=False):
+        case = {"dtype": str(dtype), "cache": str(cache_dtype), "head_size": shape["head_size"],
+                "value_head_size": shape["value_head_size"], "heads": heads, "variants": spec,
+                "batch_invariant": bi}
+        rows.extend((case, launch) for launch in launches)
+
+    for dtype in dtypes:
+        for cache_dtype in (dtype, *(fp8 if dtype != torch.float32 else ())):
+            for heads in (16, 128):
+                shape = dict(MLA_ABSORBED, group=heads)
+                add(dtype, cache_dtype, MLA_ABSORBED, heads,
+                    decode_launches(dtype, cache_dtype, num_seqs=1, seq_len=1 << 15, **shape)
+                    + decode_launches(dtype, cache_dtype, num_seqs=256, seq_len=64, **shape))
+            add(dtype, cache_dtype, MLA_ABSORBED, 16,
+                prefill_launches(dtype, cache_dtype, q_lens=[1, 70, 5], seq_lens=[40, 300, 5],
+                                 **dict(MLA_ABSORBED, group=16)))
+            add(dtype, cache_dtype, MLA_PREFILL, 8,
+                prefill_launches(dtype, cache_dtype, q_lens=[1, 70, 5], seq_lens=[40, 300, 5], **MLA_PREFILL)
+                + decode_launches(dtype, cache_dtype, num_seqs=1, seq_len=1 << 15, **MLA_PREFILL))
+    dtype = torch.bfloat16
+    shape = dict(MLA_ABSORBED, group=16)
+    add(dtype, dtype, MLA_ABSORBED, 16,
+        decode_launches(dtype, dtype, num_seqs=1, seq_len=1 << 15, variants="all", **shape)
+        + prefill_launches(dtype, dtype, q_lens=[1, 70, 5], seq_lens=[40, 300, 5], variants="all", **shape), "all")
+    add(dtype, dtype, MLA_ABSORBED, 16,
+        decode_launches(dtype, dtype, num_seqs=3, seq_len=300, variants="all", batch_invariant=True, **shape),
+        "all", True)
+    add(dtype, dtype, MLA_PREFILL, 8,
+        prefill_launches(dtype, dtype, q_lens=[1, 70, 5], seq_lens=[40, 300, 5], variants="all", **MLA_PREFILL)
+        + prefill_launches(dtype, dtype, q_lens=[1, 70, 5], seq_lens=[40, 300, 5], variants="all",
+                           batch_invariant=True, **MLA_PREFILL), "all")
+    return rows
 
 
 def cache_launches(dtype, cache_dtype, head_size, num_tokens=3) -> list[Launch]:
@@ -292,10 +358,12 @@ def _compile_row(index: int) -> dict:
     return {"arch": arch, "kernel": launch.name, **case, **usage}
 
 
-def compile_matrix(archs=(80, 90), workers: int | None = None, variants: bool = False, **matrix) -> list[dict]:
+def compile_matrix(archs=(80, 90), workers: int | None = None, variants: bool = False, mla: bool = False,
+                   **matrix) -> list[dict]:
     """Compile every distinct specialization of the matrix (``variants``: variant_matrix_launches
-    instead) for every arch, in parallel processes."""
-    rows = variant_matrix_launches() if variants else matrix_launches(**matrix)
+    instead; ``mla``: mla_matrix_launches) for every arch, in parallel processes."""
+    rows = (variant_matrix_launches() if variants else mla_matrix_launches(**matrix) if mla
+            else matrix_launches(**matrix))
     items = [(arch, case, launch) for arch in archs
              for case, launch in distinct_specializations(rows, arch).values()]
     _ITEMS[:] = items
@@ -324,6 +392,13 @@ def default_config_reports(arch: int, quick: bool = False) -> list[dict]:
                 for op, launch in (("decode", decode_split), ("prefill", prefill_run)):
                     rows.append({"op": op, "dtype": str(dtype), "cache": str(cache_dtype),
                                  "head_size": head_size, **compile_launch(launch, arch)})
+    if not quick:  # MLA: absorbed decode 576 / 512 (one latent KV head, 16 heads), prefill 192 / 128
+        for dtype in dtypes:
+            decode_split = decode_launches(dtype, dtype, num_seqs=1, seq_len=4096, **dict(MLA_ABSORBED, group=16))[0]
+            prefill_run = prefill_launches(dtype, dtype, q_lens=[1, 70, 5], seq_lens=[40, 300, 5], **MLA_PREFILL)[0]
+            for op, launch, shape in (("decode", decode_split, MLA_ABSORBED), ("prefill", prefill_run, MLA_PREFILL)):
+                rows.append({"op": op, "dtype": str(dtype), "cache": str(dtype), "head_size": shape["head_size"],
+                             "value_head_size": shape["value_head_size"], **compile_launch(launch, arch)})
     return rows
 
 
@@ -341,7 +416,8 @@ def main(argv=None) -> int:
         print(json.dumps(rows))
     else:
         for r in rows:
-            print(f"sm_{args.arch} {r['op']:8s} {r['dtype']:15s} cache {r['cache']:20s} head {r['head_size']:3d}: "
+            head = f"{r['head_size']:3d}" + (f"/{r['value_head_size']}" if "value_head_size" in r else "")
+            print(f"sm_{args.arch} {r['op']:8s} {r['dtype']:15s} cache {r['cache']:20s} head {head:7s}: "
                   f"smem {r['shared']:6d} B, {r['registers']:3d} regs, spills {r['spills']} B")
     return 0
 

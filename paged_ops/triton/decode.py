@@ -258,6 +258,10 @@ def _plain_default_config(head_size: int, dtype: torch.dtype, cache_dtype: torch
     if dtype == torch.float32 and fp8_cache:
         # Pipelining the byte loads (num_stages 2) takes every register and still spills.
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
+    if dtype != torch.float32 and not fp8_cache and pad == 256 and (value_head_size or head_size) != head_size:
+        # DeepSeek's 192 (128 + 64) / 128 with 4 warps: ptxas held sm_80 at 80 registers and spilled
+        # 8 B; 8 warps take 64 (sm_80) / 74 (sm_90), none
+        return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 2, "split_scale": 1.0}
     if dtype == torch.float32 and pad > 64:
         # num_stages 2 spilled 8 B on sm_90 once issue #27's kernel changes were in
         return {"BLOCK_N": 32, "num_warps": 8, "num_stages": 1, "split_scale": 1.0}
