@@ -32,10 +32,14 @@ def allocated_bytes_per_token(config, latent: bool, dtype: torch.dtype) -> int:
     return measured
 
 
-def rows(config=None, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)  # the model's dtype, and kv_cache_dtype="fp8" (both layouts take it)
+
+
+def rows(config=None, dtypes=DTYPES) -> list[dict]:
+    """One row per (dtype, layout); ``x latent``: bytes against the first dtype's latent row."""
     config = config or DeepseekV3Config()
     out = []
-    for name, latent in LAYOUTS.items():
+    for dtype, (name, latent) in ((d, item) for d in dtypes for item in LAYOUTS.items()):
         layout = cache_layout(config, latent=latent)
         per_layer = allocated_bytes_per_token(config, latent, dtype)
         per_token = per_layer * config.num_hidden_layers
@@ -58,15 +62,16 @@ def summary(table_rows: list[dict], config=None) -> str:
     c = config or DeepseekV3Config()
     return (table(table_rows, COLUMNS) + f"\nDeepSeek-V3 ({c.num_hidden_layers} layers, {c.num_attention_heads} heads, "
             f"kv_lora_rank {c.kv_lora_rank}, rope {c.qk_rope_head_dim}, qk_nope {c.qk_nope_head_dim}, "
-            f"v_head {c.v_head_dim}); bytes from engine.attention.KVCache.allocate")
+            f"v_head {c.v_head_dim}); bytes from engine.attention.KVCache.allocate; x latent: against the first row")
 
 
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--dtype", nargs="+", default=[str(d).removeprefix("torch.") for d in DTYPES],
+                    choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"])
     ap.add_argument("--save", action="store_true", help="write the 'kv_bytes' section of the results file (bench.common.RESULTS_DIR)")
     args = ap.parse_args(argv)
-    result = rows(dtype=getattr(torch, args.dtype))
+    result = rows(dtypes=[getattr(torch, d) for d in args.dtype])
     print(summary(result))
     if args.save:
         from bench.common import save_section
