@@ -3,8 +3,8 @@ transformers' save_pretrained so they load like any local HF checkpoint."""
 from __future__ import annotations
 
 import torch
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, Gemma2Config, GptOssConfig,
-                          LlamaConfig, MistralConfig, Qwen2Config)
+import transformers  # DeepSeek's configs looked up when asked for: older transformers have none
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=512,
@@ -33,7 +33,7 @@ CONFIGS = {
     # values 24 (prefill); LoRA queries; layer 0 dense, layer 1 MoE (4 routed experts in 2 groups,
     # 2 per token, 1 shared); yarn RoPE with mscale_all_dim, so the softmax scale is not
     # qk_head_dim ** -0.5; interleaved RoPE; biases on the attention projections
-    "deepseek_v3": lambda: DeepseekV3Config(
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **TINY | dict(num_key_value_heads=4), q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
         n_group=2, topk_group=1, moe_intermediate_size=32, n_shared_experts=1, attention_bias=True,
@@ -42,7 +42,7 @@ CONFIGS = {
                              beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=128)),
     # DeepSeek-V2(-Lite) style: no query LoRA, values 16 next to keys 32, V2's complex RoPE, softmax
     # routing (greedy top-2 of 4, 2 shared experts) on layer 1, mscale != mscale_all_dim
-    "deepseek_v2": lambda: DeepseekV2Config(
+    "deepseek_v2": lambda: transformers.DeepseekV2Config(
         **TINY | dict(num_key_value_heads=4), q_lora_rank=None, kv_lora_rank=32, qk_rope_head_dim=16,
         qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
         topk_method="greedy", moe_intermediate_size=32, n_shared_experts=2,

@@ -18,25 +18,26 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
-from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
 from ..attention import mla_attention
 
 ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 
 # mla(layer_idx, q_nope, q_pe, latent, k_pe, module) -> [T, H, v_head]: attention.mla_attention
-# with the step's metadata bound
+# with the step's metadata bound. transformers' DeepSeek modules are imported when a model is
+# built: the engine's other models keep working with a transformers that has no DeepSeek.
 
 
 def rope_v2(q_pe, k_pe, freqs_cis):
     # q_pe [T, H, r], k_pe [T, 1, r]; freqs_cis complex [1, T, r / 2]. transformers' function wants
     # [batch, heads, seq, r]: rotation of adjacent pairs in float32, output interleaved as the input
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
     q, k = v2.apply_rotary_emb(q_pe.transpose(0, 1)[None], k_pe.transpose(0, 1)[None], freqs_cis)
     return q[0].transpose(0, 1), k[0].transpose(0, 1)
 
 
 def rope_v3(interleave: bool):
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
     apply = v3.apply_rotary_pos_emb_interleave if interleave else v3.apply_rotary_pos_emb
 
     def rope(q_pe, k_pe, cos_sin):
