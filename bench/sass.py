@@ -127,16 +127,18 @@ def _decode(args):  # decode_kernel<T, KV, TPT, G>, group = G: plan_decode_shape
     return threads, max(ring, _merge_floats(ntg, g, head) * 4), f"head {head}, group {g}, tile {tile}"
 
 
-def _prefill(args):  # prefill_kernel<T, KV>: rows = threads / 8, head 128
-    threads, bn, d = PLAN["kPrefillThreads"], PLAN["kPrefillKvTile"], 128
+def _prefill(args, d=128):  # prefill_kernel<T, KV> (prefill_wide_kernel: head 576): rows = threads / 8
+    threads, bn = PLAN["kPrefillThreads"], PLAN["kPrefillKvTile"]
     rows = threads // 8
-    return threads, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, "head 128"
+    return threads, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, f"head {d}"
 
 
-def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DMAX>: Q, K[2], V[2] 16-bit tiles
-    d = int(args[1])
-    kv = 32 if d > 128 else 64  # plan.h tc_pipelined_kv_tile
-    return PLAN["kTcThreads"], (PLAN["kTcRows"] + 4 * kv) * d * 2, f"head {d}, {kv}-key tiles"
+def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DK, DV>: Q, K[2] of DK, V[2] of DV, 16-bit
+    dk = int(args[1])
+    dv = int(args[2]) if len(args) > 2 else dk
+    smem = lambda bn: ((PLAN["kTcRows"] + 2 * bn) * dk + 2 * bn * dv) * 2  # noqa: E731 plan.h tc_pipelined_smem
+    kv = 64 if dv <= 128 and smem(64) <= 80 * 1024 else 32  # plan.h tc_pipelined_kv_tile
+    return PLAN["kTcThreads"], smem(kv), f"head {dk}/{dv}, {kv}-key tiles"
 
 
 def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bit elements, head DMAX
@@ -148,6 +150,7 @@ LAUNCH = [
     ("decode_kernel", _decode),
     ("decode_reduce_kernel", lambda a: (128, 0, "")),
     ("prefill_kernel", _prefill),
+    ("prefill_wide_kernel", lambda a: _prefill(a, 576)),
     ("prefill_tc_kernel", _prefill_tc),
     ("prefill_tc_pipelined_kernel", _prefill_tc_pipelined),
     ("merge_kernel", lambda a: (256, 0, "")),

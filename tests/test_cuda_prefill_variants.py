@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from paged_ops import reference
-from paged_ops.testing import assert_close, cuda_targets, make_case, nan_like
+from paged_ops.testing import assert_close, cuda_targets, make_case
 
 TARGETS = cuda_targets()  # the target fixture's values (tests/conftest.py)
 if not TARGETS:
@@ -57,7 +57,7 @@ def run(case, config, causal=True, target="emu", with_lse=True, **variants):
     device = "cpu" if target == "emu" else target
     case = case.to(device)
     variants = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in variants.items()}
-    out = nan_like(case.query)
+    out = case.new_out()  # NaN, [rows, heads, value head size]
     lse = torch.full(case.query.shape[:2], float("nan"), dtype=torch.float32, device=device) if with_lse else None
     op.prefill_attention_config(*case.prefill_args(out, causal), config, lse=lse, **variants)
     return out.cpu(), None if lse is None else lse.cpu()
@@ -65,7 +65,7 @@ def run(case, config, causal=True, target="emu", with_lse=True, **variants):
 
 def reference_of(case, causal=True, **variants):
     """(out, lse) by the float64 specification on the CPU."""
-    out = torch.empty(case.query.shape, dtype=torch.float64)
+    out = torch.empty(case.out_shape, dtype=torch.float64)
     lse = torch.empty(case.query.shape[:2], dtype=torch.float64)
     args = [a.cpu() if isinstance(a, torch.Tensor) else a for a in case.prefill_args(out, causal)]
     args[1] = args[1].double()

@@ -204,12 +204,32 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
 // ---- prefill -----------------------------------------------------------------------------------
 constexpr int kPrefillThreads = 128;
 constexpr int kPrefillKvTile = 32;
+// The CUDA-core kernel's accumulators: 8 threads per row, each owning Dv / 8 of its output columns
+// (prefill.cuh prefill_rows' MaxChunks): 32 up to head size 256 (prefill_kernel), 72 up to 576
+// (prefill_wide_kernel: MLA's latent), a kernel of its own so the narrow one keeps its registers.
+constexpr int kPrefillChunks = 32, kPrefillWideChunks = 72;
+// The CUDA-core kernel's shared memory is capped here (A100's 163 KB per block, less the static
+// part): an explicit kv_tile that would pass it is halved until it fits.
+constexpr size_t kPrefillMaxSmem = 160 * 1024;
 // Tensor-core kernels: 4 warps x 16 packed rows; KV tiles of 32 tokens (the general kernel, any
 // cache), the pipelined kernel's (cp.async tiles, double-buffered, of a 16-bit cache) below.
 constexpr int kTcRows = 64, kTcKv = 32, kTcThreads = 128;
-// The pipelined kernel's KV tile per head tile: 64 keys, 32 at 256 (o's 128 accumulators per lane
-// beside 64 keys' scores spill on sm_80).
-constexpr int tc_pipelined_kv_tile(int head_tile) { return head_tile > 128 ? 32 : 64; }
+// The widest key head the tensor-core kernels take. Above it (MLA's 576 / 512) the CUDA-core
+// kernel runs: a warp's 16-row tile of a 512-wide output is 256 fp32 accumulators per lane, past
+// the 255 registers a thread has, so a tensor-core kernel there would have to split the value
+// columns across warps or blocks (P shared through shared memory, or Q K^T recomputed per slice).
+constexpr int kTcMaxHeadSize = 256;
+// The pipelined kernel's shared memory: Q [kTcRows] and K[2] [bn] rows of dk elements, V[2] [bn]
+// rows of dv, 16-bit.
+constexpr size_t tc_pipelined_smem(int dk, int dv, int bn) {
+  return (size_t(kTcRows + 2 * bn) * dk + size_t(2 * bn) * dv) * 2;
+}
+// Its KV tile for key / value tiles dk, dv: 64 keys where o's accumulators (dv / 2 per lane) fit
+// beside 64 keys' scores (at dv 256, 128 accumulators and 32 scores spill on sm_80) and two blocks
+// still fit an A100 SM (80 KB each); else 32: (256, 256), and DeepSeek's (192, 128), 104 KB at 64.
+constexpr int tc_pipelined_kv_tile(int dk, int dv) {
+  return dv <= 128 && tc_pipelined_smem(dk, dv, 64) <= 80 * 1024 ? 64 : 32;
+}
 
 struct PrefillPlan {
   bool tensor_cores;  // prefill_tc_kernel (fp16/bf16 queries) or the CUDA-core prefill_kernel
@@ -219,7 +239,12 @@ struct PrefillPlan {
   int threads;
   int rows;           // packed (query, head) rows per tile (BM)
   int kv_tile;        // KV tokens per shared-memory tile (BN)
-  int head_tile;      // tensor cores: head_size rounded up to 64, 128 or 256 (template parameter)
+  // Tensor cores: the key head size (Dk) rounded up to 64, 128 or 256 (template parameter; also
+  // the value side's, except the pipelined kernel's (192, 128) instance for 128 < Dk <= 192 with
+  // Dv <= 128: DeepSeek's non-absorbed prefill).
+  int head_tile;
+  int value_tile;     // the pipelined kernel's value tile (its DV): head_tile, or 128 at 192
+  int max_chunks;     // CUDA cores: kPrefillChunks (prefill_kernel), kPrefillWideChunks (prefill_wide_kernel)
   // Row tiles per sequence on the grid. A block walks its sequence's tiles rt, rt + row_tiles, ...
   // so every row is computed however long the sequence is (max_seqlen_q only sizes the grid).
   int64_t row_tiles;
@@ -229,33 +254,44 @@ struct PrefillPlan {
   bool k_aligned, v_aligned;
 };
 
+// The CUDA-core kernel's shared memory: Q [rows][Dk], one K-or-V tile [kv_tile][Dk + 1] (V rows use
+// its first Dv columns), scores [rows][kv_tile], and three floats per row.
+inline size_t prefill_cuda_core_smem(int rows, int kv_tile, int64_t dk) {
+  return (size_t(rows) * dk + size_t(kv_tile) * (dk + 1) + size_t(rows) * kv_tile + 3 * size_t(rows)) * sizeof(float);
+}
+
+// Keys and values may differ in head size (MLA: Dk = p.head_size >= Dv = p.value_head_size): every
+// size here that holds Q or K rows is Dk's, the value tiles Dv's (or Dk's, where a tile serves both).
 inline PrefillPlan plan_prefill(const AttentionParams& p, const LaunchConfig& cfg) {
   PrefillPlan pl{};
   const bool sixteen_bit = p.dtype == DType::F16 || p.dtype == DType::BF16;
-  pl.tensor_cores = cfg.tensor_cores >= 0 && sixteen_bit;
+  const int64_t dk = p.head_size, dv = p.value_head_size;
+  pl.tensor_cores = cfg.tensor_cores >= 0 && sixteen_bit && dk <= kTcMaxHeadSize;
   const int group = p.num_heads / p.num_kv_heads;
   if (pl.tensor_cores) {
     pl.threads = kTcThreads;
     pl.rows = kTcRows;
     pl.kv_tile = kTcKv;
-    pl.head_tile = p.head_size <= 64 ? 64 : p.head_size <= 128 ? 128 : 256;
+    pl.head_tile = dk <= 64 ? 64 : dk <= 128 ? 128 : 256;
+    pl.value_tile = pl.head_tile;
     pl.pipelined = p.cache_dtype == p.dtype && key_cache_aligned(p) && value_cache_aligned(p);
     if (pl.pipelined) {
-      pl.kv_tile = tc_pipelined_kv_tile(pl.head_tile);
-      pl.smem = size_t(kTcRows + 4 * pl.kv_tile) * pl.head_tile * 2;  // Q, K[2], V[2] of 16-bit elements
+      if (dk > 128 && dk <= 192 && dv <= 128) pl.head_tile = 192, pl.value_tile = 128;
+      pl.kv_tile = tc_pipelined_kv_tile(pl.head_tile, pl.value_tile);
+      pl.smem = tc_pipelined_smem(pl.head_tile, pl.value_tile, pl.kv_tile);
     } else {
-      const int Dp = (p.head_size + 15) / 16 * 16;
-      pl.smem = size_t(kTcRows + 2 * kTcKv) * (Dp + 8) * 2;  // Q, K, V tiles of 16-bit elements
+      const int64_t Dp = (dk + 15) / 16 * 16;
+      pl.smem = size_t(kTcRows + 2 * kTcKv) * (Dp + 8) * 2;  // Q, K, V tiles of 16-bit elements, rows of Dk
     }
   } else {
     pl.threads = cfg.threads > 0 ? cfg.threads : kPrefillThreads;
     if (pl.threads % 32 || pl.threads < 64 || pl.threads > 256)
       throw std::invalid_argument("paged_cuda: prefill threads must be 64, 96, ..., 256");
     pl.rows = pl.threads / 8;
+    pl.max_chunks = dk <= 8 * kPrefillChunks ? kPrefillChunks : kPrefillWideChunks;
     pl.kv_tile = cfg.kv_tile > 0 ? cfg.kv_tile : kPrefillKvTile;
-    pl.smem = (size_t(pl.rows) * p.head_size + size_t(pl.kv_tile) * (p.head_size + 1) + size_t(pl.rows) * pl.kv_tile +
-               3 * pl.rows) *
-              sizeof(float);
+    while (pl.kv_tile > 1 && prefill_cuda_core_smem(pl.rows, pl.kv_tile, dk) > kPrefillMaxSmem) pl.kv_tile /= 2;
+    pl.smem = prefill_cuda_core_smem(pl.rows, pl.kv_tile, dk);
   }
   // No query is longer than the batch: the hint is clamped, so a wrong one costs idle blocks at
   // worst, never a wrapped grid.

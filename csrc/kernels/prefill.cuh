@@ -3,6 +3,9 @@
 // prefill_tc_pipelined_kernel (a cache of the query's dtype with 16-byte aligned rows: cp.async,
 // swizzled shared memory, ldmatrix, FlashAttention-2's structure; see its comment, also for sm_90)
 // and prefill_tc_kernel (the general one: fp8 caches, odd views; synchronous staging through float).
+// Keys and values may differ in head size (MLA): Q and K rows have Dk = head_size, V rows and out
+// Dv = value_head_size <= Dk, and value_cache may view key_cache's own storage (only read). The
+// tensor-core kernels take Dk <= 256 (plan.h kTcMaxHeadSize); the CUDA-core kernel up to 576.
 //
 // Rows are "packed GQA": a block for (sequence, KV head) owns tiles of consecutive rows of the
 // sequence's q_len x group (query position, query head) matrix, so each K/V tile loaded into shared
@@ -86,15 +89,16 @@ __device__ __forceinline__ float finish_row(const AttentionParams& p, float m, f
 
 // ---- CUDA-core kernel (any query dtype; fp32 queries always take it) ---------------------------
 // Per KV tile of BN tokens: K -> smem as float (fp8 dequantised), S = Q K^T, one thread per row
-// for the softmax bookkeeping, V -> smem (same buffer), each thread owning head_size / 8 output
-// elements of one row. K/V tile rows are padded by one float so threads reading different tokens
-// at the same dimension hit different banks.
-constexpr int kMaxChunksPerThread = 32;  // head_size 256 / 8 threads per row
-
-template <typename T, typename KV>
-__global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t row_tiles, int BN, bool k_aligned,
-                                                       bool v_aligned) {
-  PAGED_LAUNCH_BOUNDS_CHECK(256);
+// for the softmax bookkeeping, V -> smem (same buffer, its first Dv columns), each thread owning
+// Dv / 8 output elements of one row. K/V tile rows are padded by one float so threads reading
+// different tokens at the same dimension hit different banks.
+// MaxChunks: the accumulators per thread, Dv / 8 at most: kernels prefill_kernel (plan.h
+// kPrefillChunks: Dk <= 256, 32 registers of them) and prefill_wide_kernel (kPrefillWideChunks:
+// Dk <= 576, MLA's latent and the other heads tensor cores do not take) over this one body.
+template <typename T, typename KV, int MaxChunks>
+__device__ __forceinline__ void prefill_rows(const AttentionParams& p, int64_t row_tiles, int BN, bool k_aligned,
+                                             bool v_aligned) {
+  constexpr int kMaxChunksPerThread = MaxChunks;
   const int nt = blockDim.x;
   const int BM = nt / 8;
   const int64_t seq = blockIdx.x / row_tiles;
@@ -107,7 +111,8 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
   const int group = int(p.num_heads) / int(p.num_kv_heads);
   const int64_t total_rows = int64_t(q_len) * group;
   const int seq_len = p.seq_lens[seq];
-  const int D = int(p.head_size), ld = D + 1, nchunks = D / 8;
+  // D: the key head size (Q, K rows); V rows and out have Dv <= D columns, nchunks_v chunks of 8.
+  const int D = int(p.head_size), ld = D + 1, nchunks = D / 8, nchunks_v = int(p.value_head_size) / 8;
 
   PAGED_DYNAMIC_SMEM(float, sm, size_t(BM) * D + size_t(BN) * ld + size_t(BM) * BN + 3 * BM);
   float* Qs = sm;
@@ -156,10 +161,11 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
 #pragma unroll
     for (int k = 0; k < kMaxChunksPerThread; ++k) acc[k] = 0.f;
 
-    // stage_kv: one K or V tile of BN tokens into KVs as float; rows past kv_end are zeros.
-    auto stage_kv = [&](const PagedKV<KV>& cache, bool aligned, float mul, int kv0) {
-      for (int e = threadIdx.x; e < BN * nchunks; e += nt) {
-        const int j = e / nchunks, c = (e % nchunks) * 8, t = kv0 + j;
+    // stage_kv: one K or V tile of BN tokens (chunks 8-element chunks of each) into KVs as float;
+    // rows past kv_end are zeros.
+    auto stage_kv = [&](const PagedKV<KV>& cache, bool aligned, float mul, int kv0, int chunks) {
+      for (int e = threadIdx.x; e < BN * chunks; e += nt) {
+        const int j = e / chunks, c = (e % chunks) * 8, t = kv0 + j;
         float x[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) x[i] = 0.f;
@@ -171,7 +177,7 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
     __syncthreads();
 
     for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {
-      stage_kv(K, k_aligned, kscale, kv0);
+      stage_kv(K, k_aligned, kscale, kv0, nchunks);
       __syncthreads();
       // compute_qk; padding rows (r >= nrows) see no key
       for (int e = threadIdx.x; e < BM * BN; e += nt) {
@@ -189,7 +195,7 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
       }
       __syncthreads();
       // V tile into the same buffer, while the first BM threads run update_softmax.
-      stage_kv(V, v_aligned, vscale, kv0);
+      stage_kv(V, v_aligned, vscale, kv0, nchunks_v);
       if (threadIdx.x < BM) {
         const int r = threadIdx.x;
         float* sr = S + r * BN;
@@ -226,7 +232,7 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
         const int j0 = max(keys.lo - kv0, 0), j1 = min(keys.hi - kv0, BN);
 #pragma unroll
         for (int k = 0; k < kMaxChunksPerThread; ++k) {
-          if (k < nchunks) {
+          if (k < nchunks_v) {
             const int d = myc + 8 * k;
             float sum = 0.f;
             for (int j = j0; j < j1; ++j) sum += pr[j] * KVs[j * ld + d];
@@ -245,9 +251,25 @@ __global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t
       T* o = static_cast<T*>(p.out) + (q0 + qi) * p.o_stride_token + (kvh * group + g) * p.o_stride_head;
 #pragma unroll
       for (int k = 0; k < kMaxChunksPerThread; ++k)
-        if (k < nchunks) o[myc + 8 * k] = from_float<T>(acc[k] * inv);
+        if (k < nchunks_v) o[myc + 8 * k] = from_float<T>(acc[k] * inv);
     }
   }
+}
+
+template <typename T, typename KV>
+__global__ void __launch_bounds__(256) prefill_kernel(AttentionParams p, int64_t row_tiles, int BN, bool k_aligned,
+                                                       bool v_aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
+  prefill_rows<T, KV, kPrefillChunks>(p, row_tiles, BN, k_aligned, v_aligned);
+}
+
+// The wide instance's 72 accumulators: at most one block of 256 threads per SM is promised
+// (minBlocks 1), so ptxas may take the ~145 registers it needs instead of spilling at 128.
+template <typename T, typename KV>
+__global__ void __launch_bounds__(256, 1) prefill_wide_kernel(AttentionParams p, int64_t row_tiles, int BN,
+                                                               bool k_aligned, bool v_aligned) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
+  prefill_rows<T, KV, kPrefillWideChunks>(p, row_tiles, BN, k_aligned, v_aligned);
 }
 
 // The add-back of the tensor-core kernels' edge tiles: for every key of the tile hidden from some
@@ -406,7 +428,9 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
   const int group = int(p.num_heads) / int(p.num_kv_heads);  // int: see prefill_kernel
   const int64_t total_rows = int64_t(q_len) * group;
   const int seq_len = p.seq_lens[seq];
-  const int D = int(p.head_size), Dp = (D + 15) / 16 * 16, ld = Dp + 8;
+  // D: the key head size (Q, K rows, padded to Dp); V rows and out have Dv <= D columns, staged in
+  // rows of the same ld (the accumulators cover DMAX >= Dv columns; those past Dv are never used).
+  const int D = int(p.head_size), Dp = (D + 15) / 16 * 16, ld = Dp + 8, Dv = int(p.value_head_size);
 
   PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + 2 * BN) * ld);
   T* Qs = sm;
@@ -462,7 +486,9 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
       // the mma's 0 * v stays 0 for the rows that do not see them) and added back after it.
       const bool edge = kv0 < seen_by_all.lo || kv0 + BN > seen_by_all.hi;  // block-uniform
       bool held_back = false;
-      // stage_kv: raw cache values (exact in T), zeros past kv_end and in the padding columns.
+      // stage_kv: raw cache values (exact in T), zeros past kv_end and in the padding columns
+      // (K's past D, V's past Dv: a value_cache viewing key_cache's first Dv columns is never read
+      // past them).
       for (int e = threadIdx.x; e < BN * cpr; e += kTcThreads) {
         const int j = e / cpr, c = (e % cpr) * 8, tok = kv0 + j;
         float x[8], y[8];
@@ -470,7 +496,7 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         for (int i = 0; i < 8; ++i) x[i] = y[i] = 0.f;
         if (tok < kv_end && c < D) {
           load8(K.row(tok) + c, x, k_aligned);
-          load8(V.row(tok) + c, y, v_aligned);
+          if (c < Dv) load8(V.row(tok) + c, y, v_aligned);
           if (edge && !seen_by_all.contains(tok)) {
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
@@ -533,7 +559,7 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         p_frag<T>(a, s, kk);
 #pragma unroll
         for (int nt = 0; nt < NT_O; ++nt) {
-          if (nt * 8 < D) {
+          if (nt * 8 < Dv) {
             uint32_t b[2];
             load_b_frag_kn(b, Vs, ld, kk * 16, nt * 8);
             mma_16816<T>(o[nt], a, b);
@@ -541,24 +567,28 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         }
       }
       if (add_back)
-        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), D, keys, seen_by_all);
+        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
     }
 
-    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, D, vscale, query_of, head_of);
+    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, Dv, vscale, query_of, head_of);
   }
 }
 
 // ---- Tensor-core kernel, FlashAttention-2's structure (16-bit caches, 16-byte aligned views) ---
 // For a cache of the query's dtype whose every row is 16-byte aligned (plan.pipelined), per row tile
-// of 64 packed rows (4 warps x 16) and KV tiles of 64 keys (32 at head_size > 128: plan.h):
+// of 64 packed rows (4 warps x 16) and KV tiles of 64 keys (32 at value tile 256 and at (192, 128):
+// plan.h tc_pipelined_kv_tile):
 //  * K and V tiles go by 16-byte cp.async straight from the paged cache into shared memory, double
 //    buffered: the next tile's K and V (two commit groups) load while this tile computes;
-//  * shared-memory rows of DMAX elements, 16-byte chunk c of row r stored at chunk c ^ (r % 8)
-//    (swizzled_offset): the 8 rows of every 8x8 matrix ldmatrix reads are 8 consecutive rows of one
-//    logical chunk, so they fall in 8 distinct bank groups (conflict-free by construction, counted by
-//    the emulator: tests/test_emu_ldmatrix.py), and so do the 16-byte cp.async writes of 8 lanes;
+//  * shared-memory rows of DK (Q, K) or DV (V) elements, 16-byte chunk c of row r stored at chunk
+//    c ^ (r % 8) (swizzled_offset; DK, DV multiples of 64, so a row's chunks stay in it and every
+//    row starts on bank group 0): the 8 rows of every 8x8 matrix ldmatrix reads are 8 consecutive
+//    rows of one logical chunk, so they fall in 8 distinct bank groups (conflict-free by
+//    construction, counted by the emulator: tests/test_emu_ldmatrix.py), and so do the 16-byte
+//    cp.async writes of 8 lanes;
 //  * fragments by ldmatrix: Q's (A) once per row tile, kept in registers for the whole KV loop when
-//    head_size <= 128 (at 256 they would not fit beside the 128 accumulators: re-read per k-step),
+//    DK <= 128 (at 256 they would not fit beside the 128 accumulators, at 192 they would take 48
+//    registers beside 64: re-read per k-step),
 //    K's non-transposed (QK^T's B), V's by .trans (P V's B);
 //  * the mask (causal diagonal, window edges, the sequence's end) only on the tiles that hold a key
 //    hidden from some row of the tile; the others apply just the score modifiers.
@@ -588,15 +618,41 @@ __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
   return row * DMAX + ((chunk ^ (row & 7)) << 3);
 }
 
-template <typename T, int DMAX>
+// The (row, chunk) a thread copies in pass `pass` over a tile of rows of kChunks 16-byte chunks:
+// where the block's threads cover whole rows (kChunks divides kTcThreads: heads 64, 128, 256) a
+// fixed chunk of rows kRowsPerPass apart; else (192: 24 chunks) the tile's chunks in row-major order,
+// thread by thread.
+template <int kChunks>
+struct CopyGrid {
+  static constexpr bool kWholeRows = kTcThreads % kChunks == 0;
+  static constexpr int kRowsPerPass = kWholeRows ? kTcThreads / kChunks : 1;
+  template <int kRows>
+  static constexpr int passes() {
+    static_assert(kRows * kChunks % kTcThreads == 0 && (!kWholeRows || kRows % kRowsPerPass == 0), "copy passes");
+    return kRows * kChunks / kTcThreads;
+  }
+  int my_chunk, my_row;
+  __device__ __forceinline__ CopyGrid() : my_chunk(int(threadIdx.x) % kChunks), my_row(int(threadIdx.x) / kChunks) {}
+  __device__ __forceinline__ int row(int pass) const {
+    return kWholeRows ? my_row + pass * kRowsPerPass : (int(threadIdx.x) + pass * kTcThreads) / kChunks;
+  }
+  __device__ __forceinline__ int chunk(int pass) const {
+    return kWholeRows ? my_chunk : (int(threadIdx.x) + pass * kTcThreads) % kChunks;
+  }
+};
+
+// DK: the Q / K tile width (the key head size rounded up), DV: V's and the accumulators' (>= the
+// value head size): (64, 64), (128, 128), (256, 256), and (192, 128) for DeepSeek's non-absorbed
+// prefill (keys 128 + 64 RoPE, values 128), whose value side costs what 128's does.
+template <typename T, int DK, int DV>
 __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionParams p, int64_t row_tiles) {
   PAGED_LAUNCH_BOUNDS_CHECK(128);
-  constexpr int BM = kTcRows, BN = tc_pipelined_kv_tile(DMAX);
-  constexpr int NT_O = DMAX / 8, KS_MAX = DMAX / 16, NT_S = BN / 8;
-  constexpr int kChunks = DMAX / 8;                   // 16-byte chunks per shared-memory row
-  constexpr int kRowsPerPass = kTcThreads / kChunks;  // rows one pass of the block's threads copies
-  constexpr bool kQInRegisters = DMAX <= 128;
-  static_assert(kTcThreads % kChunks == 0 && BN % kRowsPerPass == 0 && BM % kRowsPerPass == 0, "copy passes");
+  static_assert(DV <= DK && DK % 64 == 0 && DV % 64 == 0, "swizzled rows: chunk ^ (row % 8) stays in the row");
+  constexpr int BM = kTcRows, BN = tc_pipelined_kv_tile(DK, DV);
+  constexpr int NT_O = DV / 8, KS_MAX = DK / 16, NT_S = BN / 8;
+  using KGrid = CopyGrid<DK / 8>;  // 16-byte chunks per Q / K shared-memory row
+  using VGrid = CopyGrid<DV / 8>;  // ... per V row
+  constexpr bool kQInRegisters = DK <= 128;
   const int64_t seq = blockIdx.x / row_tiles;
   const int64_t slot = blockIdx.x % row_tiles;
   const int kvh = blockIdx.y;
@@ -605,15 +661,19 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   const int group = int(p.num_heads) / int(p.num_kv_heads);  // int: see prefill_kernel
   const int64_t total_rows = int64_t(q_len) * group;
   const int seq_len = p.seq_lens[seq];
+  // D: the key head size (Q, K rows), Dv the value's (V rows, out; <= D). A value_cache that views
+  // key_cache's first Dv columns is copied from its own rows like any other: cp.async only reads.
   const int D = int(p.head_size), Dp = (D + 15) / 16 * 16, data_chunks = D / 8, used_chunks = Dp / 8;
+  const int Dv = int(p.value_head_size), v_data_chunks = Dv / 8, v_used_chunks = (Dv + 15) / 16 * 2;
 
-  // [BM] Q rows, then K[2], V[2] tiles of BN rows: rows of DMAX 16-bit elements, swizzled.
-  PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + 4 * BN) * DMAX);
-  auto k_tile = [&](int buf) { return sm + (BM + buf * BN) * DMAX; };
-  auto v_tile = [&](int buf) { return sm + (BM + (2 + buf) * BN) * DMAX; };
+  // [BM] Q rows, then K[2] tiles of BN rows of DK 16-bit elements, then V[2] of BN rows of DV, swizzled.
+  PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + 2 * BN) * DK + size_t(2 * BN) * DV);
+  auto k_tile = [&](int buf) { return sm + (BM + buf * BN) * DK; };
+  auto v_tile = [&](int buf) { return sm + (BM + 2 * BN) * DK + buf * BN * DV; };
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  // This thread's chunk of every row it copies, and its first row.
-  const int my_chunk = threadIdx.x % kChunks, my_row = threadIdx.x / kChunks;
+  // This thread's chunks of the rows it copies.
+  const KGrid kgrid;
+  const VGrid vgrid;
   // ldmatrix: lane l gives a row of matrix l / 8 (mma.cuh's ldmatrix).
   const int ld_mat = lane / 8, ld_row = lane % 8;
   const ScoreMod mod =
@@ -638,27 +698,28 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     // past kv_end (never read from the cache: they may hold NaN or lie past the table) and the
     // padding chunk of a head_size % 16 == 8 row are zeros, so the mma's 0 * v stays 0.
     auto stage_kv = [&](int kv0, int buf) {
-      constexpr int kPasses = BN / kRowsPerPass;
       // Row by row (the block-table entry read again for V, from L1: holding every row's entry
       // between the two loops would cost 2 kPasses registers, a spill at head_size 256).
-      auto copy_rows = [&](const PagedKV<T>& cache, T* tile) {
+      auto copy_rows = [&](const auto& grid, const PagedKV<T>& cache, T* tile, int data, int used) {
+        using Grid = std::decay_t<decltype(grid)>;
+        constexpr int kPasses = Grid::template passes<BN>();
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
-          const int j = my_row + pass * kRowsPerPass, tok = kv0 + j;
-          T* dst = tile + swizzled_offset<DMAX>(j, my_chunk);
-          if (tok < kv_end && my_chunk < data_chunks) {
+          const int j = grid.row(pass), c = grid.chunk(pass), tok = kv0 + j;
+          T* dst = tile + (std::is_same_v<Grid, KGrid> ? swizzled_offset<DK>(j, c) : swizzled_offset<DV>(j, c));
+          if (tok < kv_end && c < data) {
             const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
             copy_async(dst, cache.base + cache.block_table[in_table] * cache.stride_block + off * cache.stride_token +
-                                8 * my_chunk,
+                                8 * c,
                        16);
-          } else if (my_chunk < used_chunks) {
+          } else if (c < used) {
             *reinterpret_cast<uint4*>(dst) = zeros;
           }
         }
         cp_async_commit();
       };
-      copy_rows(K, k_tile(buf));
-      copy_rows(V, v_tile(buf));
+      copy_rows(kgrid, K, k_tile(buf), data_chunks, used_chunks);
+      copy_rows(vgrid, V, v_tile(buf), v_data_chunks, v_used_chunks);
     };
 
     __syncthreads();  // every warp is done with the previous row tile's Q and K/V tiles
@@ -673,34 +734,35 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     auto head_of = [&](int r) { return by_group.mod(row_g0 + r); };
 
     // load_q: raw query values (the scale multiplies the scores), zeros in padding rows and columns.
-    auto q_chunk = [&](int r) {
+    auto q_chunk = [&](int r, int c) {
       return static_cast<const T*>(p.query) + (q0 + query_of(r)) * p.q_stride_token +
-             (kvh * group + head_of(r)) * p.q_stride_head + 8 * my_chunk;
+             (kvh * group + head_of(r)) * p.q_stride_head + 8 * c;
     };
+    constexpr int kQPasses = KGrid::template passes<BM>();
     if (q_vectors) {
 #pragma unroll
-      for (int pass = 0; pass < BM / kRowsPerPass; ++pass) {
-        const int r = my_row + pass * kRowsPerPass;
-        if (my_chunk >= used_chunks) continue;
+      for (int pass = 0; pass < kQPasses; ++pass) {
+        const int r = kgrid.row(pass), c = kgrid.chunk(pass);
+        if (c >= used_chunks) continue;
         uint4 x = zeros;
-        if (r < nrows && my_chunk < data_chunks) x = *reinterpret_cast<const uint4*>(q_chunk(r));
-        *reinterpret_cast<uint4*>(sm + swizzled_offset<DMAX>(r, my_chunk)) = x;
+        if (r < nrows && c < data_chunks) x = *reinterpret_cast<const uint4*>(q_chunk(r, c));
+        *reinterpret_cast<uint4*>(sm + swizzled_offset<DK>(r, c)) = x;
       }
     } else {  // a query view of odd strides: element loads (cold: not unrolled)
 #pragma unroll 1
-      for (int pass = 0; pass < BM / kRowsPerPass; ++pass) {
-        const int r = my_row + pass * kRowsPerPass;
-        if (my_chunk >= used_chunks) continue;
+      for (int pass = 0; pass < kQPasses; ++pass) {
+        const int r = kgrid.row(pass), c = kgrid.chunk(pass);
+        if (c >= used_chunks) continue;
         T x[8];
-        for (int i = 0; i < 8; ++i) x[i] = r < nrows && my_chunk < data_chunks ? q_chunk(r)[i] : from_float<T>(0.f);
-        memcpy(static_cast<void*>(sm + swizzled_offset<DMAX>(r, my_chunk)), x, 16);
+        for (int i = 0; i < 8; ++i) x[i] = r < nrows && c < data_chunks ? q_chunk(r, c)[i] : from_float<T>(0.f);
+        memcpy(static_cast<void*>(sm + swizzled_offset<DK>(r, c)), x, 16);
       }
     }
     __syncthreads();  // Q visible to every warp
 
     // Q's A fragments: matrix l / 8 of a 16x16 step = (rows 0-7 | 8-15) x (columns 0-7 | 8-15).
     auto load_q_frag = [&](uint32_t (&a)[4], int ks) {
-      ldmatrix<4, false>(a, sm + swizzled_offset<DMAX>(warp * 16 + ld_row + 8 * (ld_mat % 2), 2 * ks + ld_mat / 2));
+      ldmatrix<4, false>(a, sm + swizzled_offset<DK>(warp * 16 + ld_row + 8 * (ld_mat % 2), 2 * ks + ld_mat / 2));
     };
     uint32_t qf[kQInRegisters ? KS_MAX : 1][4];
     if constexpr (kQInRegisters) {
@@ -742,7 +804,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll
           for (int np = 0; np < NT_S / 2; ++np) {
             uint32_t b[4];
-            ldmatrix<4, false>(b, Kt + swizzled_offset<DMAX>(np * 16 + ld_row + 8 * (ld_mat / 2), 2 * ks + ld_mat % 2));
+            ldmatrix<4, false>(b, Kt + swizzled_offset<DK>(np * 16 + ld_row + 8 * (ld_mat / 2), 2 * ks + ld_mat % 2));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
             mma_16816<T>(s[2 * np], a, b0);
             mma_16816<T>(s[2 * np + 1], a, b1);
@@ -788,10 +850,10 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         // Non-finite V elements of keys hidden from some row: zero in the tile, added back below.
         bool held_back = false;
 #pragma unroll
-        for (int pass = 0; pass < BN / kRowsPerPass; ++pass) {
-          const int j = my_row + pass * kRowsPerPass, tok = kv0 + j;
-          if (my_chunk < data_chunks && tok < kv_end && !seen_by_all.contains(tok)) {
-            T* at = v_tile(buf) + swizzled_offset<DMAX>(j, my_chunk);
+        for (int pass = 0; pass < VGrid::template passes<BN>(); ++pass) {
+          const int j = vgrid.row(pass), c = vgrid.chunk(pass), tok = kv0 + j;
+          if (c < v_data_chunks && tok < kv_end && !seen_by_all.contains(tok)) {
+            T* at = v_tile(buf) + swizzled_offset<DV>(j, c);
             T h[8];
             const uint4 u = *reinterpret_cast<const uint4*>(at);
             memcpy(static_cast<void*>(h), &u, 16);
@@ -825,9 +887,9 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         p_frag<T>(a, s, kk);
 #pragma unroll
         for (int np = 0; np < NT_O / 2; ++np) {
-          if (np * 16 < D) {
+          if (np * 16 < Dv) {
             uint32_t b[4];
-            ldmatrix<4, true>(b, Vt + swizzled_offset<DMAX>(kk * 16 + ld_row + 8 * (ld_mat % 2), 2 * np + ld_mat / 2));
+            ldmatrix<4, true>(b, Vt + swizzled_offset<DV>(kk * 16 + ld_row + 8 * (ld_mat % 2), 2 * np + ld_mat / 2));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
             mma_16816<T>(o[2 * np], a, b0);
             mma_16816<T>(o[2 * np + 1], a, b1);
@@ -835,10 +897,10 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         }
       }
       if (add_back)
-        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), D, keys, seen_by_all);
+        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
     }
 
-    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, D, vscale, query_of, head_of);
+    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, Dv, vscale, query_of, head_of);
   }
 }
 
@@ -859,9 +921,10 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
               PAGED_LAUNCH(kernel, grid, dim3(kTcThreads), pl.smem, stream, p, pl.row_tiles);
               PAGED_CHECK_LAUNCH("prefill_tc_pipelined_kernel");
             };
-            if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, 64>);
-            else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, 128>);
-            else run(prefill_tc_pipelined_kernel<T, 256>);
+            if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, 64, 64>);
+            else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, 128, 128>);
+            else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, 192, 128>);
+            else run(prefill_tc_pipelined_kernel<T, 256, 256>);
             return;
           }
         }
@@ -878,11 +941,14 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
           return;
         }
       }
-      auto kernel = prefill_kernel<T, KV>;
-      PAGED_ALLOW_SMEM(kernel, pl.smem);
-      PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.row_tiles, pl.kv_tile, pl.k_aligned,
-                   pl.v_aligned);
-      PAGED_CHECK_LAUNCH("prefill_kernel");
+      auto run = [&](auto kernel) {
+        PAGED_ALLOW_SMEM(kernel, pl.smem);
+        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.row_tiles, pl.kv_tile, pl.k_aligned,
+                     pl.v_aligned);
+        PAGED_CHECK_LAUNCH("prefill_kernel");
+      };
+      if (pl.max_chunks == kPrefillChunks) run(prefill_kernel<T, KV>);
+      else run(prefill_wide_kernel<T, KV>);
     });
   });
 }

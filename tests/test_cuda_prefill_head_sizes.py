@@ -1,0 +1,180 @@
+"""Keys and values of different head sizes, and heads up to 576 (#24 item 1, MLA), in the CUDA
+prefill kernels (csrc/kernels/prefill.cuh) with each kernel forced through the test namespace's
+prefill_attention_config (tests/test_attention_head_sizes.py runs the public op):
+
+- the pipelined tensor-core kernel (a 16-bit cache of the query's dtype, 16-byte aligned rows): its
+  (192, 128) instance (DeepSeek's non-absorbed prefill, and any 128 < Dk <= 192 with Dv <= 128:
+  Dk 136 pads a k-step, Dv 72 an n-tile pair) and the square instances at Dv < Dk (Dv runtime);
+- the general tensor-core kernel: fp8 caches (k_scale for K, v_scale for V), a value view whose
+  rows are not 16-byte aligned;
+- the CUDA-core kernel: forced, fp32 queries, and every head above 256 (576 / 512: plan.h
+  kTcMaxHeadSize; a tensor-core config falls back to it there), its wide instance (72 chunks);
+- value_cache a view into key_cache's storage (absorbed MLA), never written;
+- each variant (softcap, windows, sinks, ALiBi, lse), block sizes 1 to 64, HND caches, several KV
+  and row tiles, non-finite values of hidden keys (the edge tiles' add-back).
+
+Every case compares out and lse with the float64 reference (NaN-poisoned outputs and unused slots),
+on the emulator and, where present, on each GPU.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_ops.testing import assert_close, bits, make_case
+from tests.test_cuda_prefill_variants import (CUDA_CORES, TARGETS, TC, VARIANTS, assert_lse_close, check,
+                                              cuda_cores, reference_of, run)
+
+if not TARGETS:
+    pytest.skip("neither the cuda_emu backend nor a GPU with the cuda backend", allow_module_level=True)
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# Chunked prefill over several 32- and 64-key tiles and row tiles: cached context, a decode row, a
+# fresh prompt, a sequence without new tokens.
+SEQ_LENS = [70, 1, 37, 6]
+Q_LENS = [40, 1, 37, 0]
+
+
+def case_of(dk, dv, dtype=BF16, cache_dtype=None, group=2, block_size=16, layout="NHD", value_in_key=False,
+            seq_lens=SEQ_LENS, q_lens=Q_LENS, seed=0, scale_kind="tensor", num_kv_heads=2):
+    return make_case(seq_lens, q_lens=q_lens, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+                     head_size=dk, value_head_size=dv, value_in_key=value_in_key, block_size=block_size, dtype=dtype,
+                     cache_dtype=cache_dtype, layout=layout, scale_kind=scale_kind, seed=seed)
+
+
+def check_unwritten(case, config, causal=True, target="emu", **variants):
+    """check(), and neither cache's storage written (a value view of key_cache shares it)."""
+    before = [bits(case.key_cache).clone(), bits(case.value_cache).clone()]
+    check(case, config, causal, target, **variants)
+    assert torch.equal(bits(case.key_cache), before[0]) and torch.equal(bits(case.value_cache), before[1])
+
+
+# (dk, dv): DeepSeek's 192 / 128 and the other instances' shapes at Dv < Dk.
+PIPELINED_SHAPES = [(192, 128), (136, 72), (160, 8), (128, 64), (256, 128), (64, 8)]
+
+
+@pytest.mark.parametrize("dk,dv", PIPELINED_SHAPES)
+@pytest.mark.parametrize("causal", [True, False])
+def test_pipelined_tensor_cores(target, dk, dv, causal):
+    seed = dk + dv + causal
+    case = case_of(dk, dv, dtype=(BF16, F16)[seed % 2], group=1 + seed % 3, block_size=(16, 8, 32)[seed % 3],
+                   layout=("NHD", "HND")[dk % 3 == 0], seed=seed)
+    check_unwritten(case, TC, causal, target)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("path", ["tc", "cuda_cores"])
+def test_deepseek_prefill_variants(target, variant, path):
+    """DeepSeek's non-absorbed prefill (Dk 192, Dv 128, num_kv_heads == num_heads) with each variant."""
+    seed = 3 * len(variant) + (path == "tc")
+    case = case_of(192, 128, dtype=BF16, group=1, num_kv_heads=3, block_size=16, seed=seed)
+    kw = VARIANTS[variant](3, seed)
+    case.poison_hidden(True, **kw)  # keys no row sees hold inf: never read
+    check(case, TC if path == "tc" else CUDA_CORES, True, target, **kw)
+
+
+def test_window_right_non_causal(target):
+    case = case_of(192, 128, dtype=F16, group=2, block_size=5, seed=4)
+    kw = dict(window_left=9, window_right=3)
+    case.poison_hidden(False, **kw)
+    for config in (TC, CUDA_CORES):
+        check(case, config, False, target, **kw)
+
+
+@pytest.mark.parametrize("dk,dv", [(192, 128), (256, 64)])
+@pytest.mark.parametrize("config", [TC, CUDA_CORES])
+def test_infinite_value_of_a_partly_hidden_key(target, dk, dv, config):
+    """A V of +inf at the causal diagonal: only the rows that see its key are inf / NaN; the edge tile
+    holds it back from the others (the tensor-core kernels' add-back: p * v for exactly those rows)."""
+    case = case_of(dk, dv, dtype=BF16, group=2, block_size=16, seq_lens=[50], q_lens=[30], seed=dk)
+    hidden = 50 - 30 + 10  # row 10's own key: rows 0-9 do not see it
+    case.value_cache[int(case.block_tables[0, hidden // 16]), hidden % 16, :, dv // 2] = float("inf")
+    ref_out, ref_lse = reference_of(case)
+    out, lse = run(case, config, True, target)
+    assert_close(out[:10], ref_out[:10], case.dtype)
+    assert_lse_close(lse, ref_lse)
+    assert not torch.isfinite(out[10:].float()).all(), "the test's premise: later rows see the inf value"
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dk,dv,config", [(192, 128, TC), (136, 72, TC), (192, 128, CUDA_CORES),
+                                          (576, 512, TC)])
+def test_fp8_caches(target, cache_dtype, dk, dv, config):
+    """fp8 caches (the general tensor-core kernel up to 256, the CUDA-core one above) with their own K
+    and V scales of different forms (per KV head / per tensor, per tensor / per sequence)."""
+    seed = dk + (cache_dtype == E5M2)
+    kind = ("head/tensor", "tensor/seq")[seed % 2]  # K and V scaled apart
+    case = case_of(dk, dv, dtype=(F16, BF16)[seed % 2], cache_dtype=cache_dtype, group=2, block_size=(16, 3)[seed % 2],
+                   scale_kind=kind, seed=seed, value_in_key=dk == 576,
+                   num_kv_heads=1 if dk == 576 else 2, seq_lens=[40, 9] if dk == 576 else SEQ_LENS,
+                   q_lens=[20, 9] if dk == 576 else Q_LENS)
+    check_unwritten(case, config, True, target, softcap=6.0)
+
+
+def test_unaligned_value_view_takes_the_general_kernel(target):
+    """A value_cache whose rows start 8 bytes off a 16-byte boundary: no cp.async, element loads."""
+    case = case_of(192, 128, dtype=BF16, group=2, block_size=16, seed=12)
+    v = case.value_cache
+    wide = torch.full((*v.shape[:3], v.shape[3] + 4), float("nan"), dtype=v.dtype)
+    wide[..., 4:] = v
+    case.value_cache = wide[..., 4:]
+    assert case.value_cache.data_ptr() % 16 == 8
+    check_unwritten(case, TC, True, target, window_left=17)
+
+
+@pytest.mark.parametrize("dk,dv", [(192, 128), (256, 8), (576, 512)])
+def test_value_view_of_the_key_cache(target, dk, dv):
+    """Absorbed MLA's layout at each kernel: value_cache = key_cache[..., :dv], one KV head."""
+    case = case_of(dk, dv, dtype=BF16, group=8, num_kv_heads=1, block_size=16, value_in_key=True,
+                   seq_lens=[33, 12], q_lens=[17, 12], seed=dk)
+    assert case.value_cache.data_ptr() == case.key_cache.data_ptr()
+    for config in (TC, CUDA_CORES):
+        check_unwritten(case, config, True, target)
+
+
+# ---- heads above 256: the CUDA-core kernel's wide instance ------------------------------------
+@pytest.mark.parametrize("dtype,dk,dv,config,block_size,layout", [
+    (BF16, 576, 512, TC, 16, "NHD"),  # a tensor-core config: heads above 256 take CUDA cores
+    (F16, 576, 576, CUDA_CORES, 1, "HND"),
+    (F32, 576, 512, CUDA_CORES, 7, "NHD"),
+    (F32, 264, 264, CUDA_CORES, 64, "NHD"),  # just past the narrow instance
+    (BF16, 320, 8, cuda_cores(threads=256, kv_tile=64), 3, "HND"),  # kv_tile halved to fit shared memory
+    (F16, 512, 256, cuda_cores(threads=64, kv_tile=5), 16, "NHD"),
+])
+def test_wide_heads(target, dtype, dk, dv, config, block_size, layout):
+    case = case_of(dk, dv, dtype=dtype, group=4, num_kv_heads=1, block_size=block_size, layout=layout,
+                   seq_lens=[30, 1, 9], q_lens=[20, 1, 9], seed=dk + dv)
+    check_unwritten(case, config, dk != 320, target)
+
+
+@pytest.mark.parametrize("variant", ["softcap", "window", "sinks", "alibi", "all"])
+def test_absorbed_latent_variants(target, variant):
+    """MLA's latent prefill (576 / 512, value a view of the key, 16 query heads) with each variant."""
+    seed = len(variant) + 60
+    case = case_of(576, 512, dtype=BF16, group=16, num_kv_heads=1, block_size=16, value_in_key=True,
+                   seq_lens=[24, 5], q_lens=[10, 5], seed=seed)
+    kw = VARIANTS[variant](16, seed)
+    check(case, TC, True, target, **kw)
+
+
+def test_fp32_queries_at_dk_ne_dv(target):
+    case = case_of(192, 128, dtype=F32, group=3, block_size=5, layout="HND", seed=70)
+    check(case, TC, True, target, softcap=5.0, window_left=11, **VARIANTS["sinks"](6, 70))
+
+
+@pytest.mark.skipif("emu" not in TARGETS, reason="the emulator's bank-conflict count: cuda_emu is not built")
+@pytest.mark.parametrize("dk,dv", [(192, 128), (136, 72)])
+def test_tile_reads_are_conflict_free(dk, dv):
+    """The (192, 128) instance's rows of 24 chunks (Q, K) and 16 (V): swizzled, every ldmatrix read
+    of them conflict-free (the emulator counts the extra wavefronts per 8x8 matrix)."""
+    selftest = torch.ops.paged_cuda_emu_test
+    case = case_of(dk, dv, dtype=F16, group=2, seed=dk)
+    out = case.new_out()
+    selftest.ldmatrix_stats(True)
+    selftest.prefill_attention_config(*case.prefill_args(out), TC)
+    instructions, matrices, extra = selftest.ldmatrix_stats(True)
+    assert_close(out, case.reference_prefill(), case.dtype)
+    assert instructions > 0, "the pipelined kernel reads its tiles by ldmatrix"
+    assert extra == 0, f"{extra} bank-conflict wavefronts over {matrices} matrices"
