@@ -167,18 +167,33 @@ struct ScoreMod {
   }
 };
 
-// This lane's 8 dims of `gcount` query heads from `head0`, pre-scaled (query_multiplier); zeros
-// for the heads past gcount and for idle lanes.
-template <typename T, int G>
-__device__ __forceinline__ void load_q(float (&q)[G][8], const AttentionParams& p, int64_t row, int head0, int gcount,
-                                       int d0, bool active) {
+// Lane chunks: lane `sub` of a token group owns NC 8-element chunks of a row, chunk c at dims
+// d0 + c * 8 * TPT (d0 = sub * 8), so the group's lanes read 8 x TPT contiguous elements per chunk
+// (conflict-free 16-byte shared-memory reads). NC = 1 up to 8 x TPT = 256 dims; the wide kernels
+// (TPT 32) take KC = 3 chunks of q / K (Dk <= 768, the contract stops at 576) and VC = 2 or 3 of V
+// and the accumulators (Dv <= 512 or <= 768). A chunk past the head size is idle (q and k 0, no
+// value read).
+template <int TPT>
+__device__ __forceinline__ int chunk_dim(int d0, int c) {
+  return d0 + c * 8 * TPT;
+}
+
+// This lane's KC chunks of `gcount` query heads from `head0` (head size Dk), pre-scaled
+// (query_multiplier); zeros for the heads past gcount and for idle chunks.
+template <typename T, int G, int TPT, int KC>
+__device__ __forceinline__ void load_q(float (&q)[G][KC * 8], const AttentionParams& p, int64_t row, int head0,
+                                       int gcount, int d0, int Dk) {
   const float qmul = query_multiplier(p);
   const T* qrow = static_cast<const T*>(p.query) + row * p.q_stride_token + d0;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      q[g][i] = (g < gcount && active) ? to_float(qrow[(head0 + g) * p.q_stride_head + i]) * qmul : 0.f;
+    for (int c = 0; c < KC; ++c) {
+      const bool on = g < gcount && chunk_dim<TPT>(d0, c) < Dk;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        q[g][c * 8 + i] = on ? to_float(qrow[(head0 + g) * p.q_stride_head + c * 8 * TPT + i]) * qmul : 0.f;
+    }
   }
 }
 
@@ -198,18 +213,50 @@ __device__ __forceinline__ void compute_qk(const float (&q)[G][8], const float (
   }
 }
 
-// Per-lane online softmax state of G heads over this lane's 8 dims: running max m and sum l (log2
-// domain) and the unnormalised output accumulators.
-template <int G>
+// The same over KC chunks (the wide kernels): the staged key row `krow`'s chunks one by one (only one
+// chunk of k is live), the partial dots summed over the chunks, then over the TPT lanes. An invalid
+// row (or idle chunk) reads nothing and counts as k = 0.
+template <typename KV, int G, int TPT, int KC>
+__device__ __forceinline__ void compute_qk_chunks(const float (&q)[G][KC * 8], const unsigned char* krow, int d0,
+                                                  int Dk, bool valid, float kscale, float (&s)[G]) {
+  float d[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) d[g] = 0.f;
+#pragma unroll
+  for (int c = 0; c < KC; ++c) {
+    float k[8];
+    if (valid && chunk_dim<TPT>(d0, c) < Dk) {
+      load8(reinterpret_cast<const KV*>(krow) + chunk_dim<TPT>(d0, c), k, true, kscale);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) k[e] = 0.f;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) d[g] += q[g][c * 8 + i] * k[i];
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+#pragma unroll
+    for (int o = TPT / 2; o > 0; o >>= 1) d[g] += __shfl_xor_sync(kFullMask, d[g], o);
+    s[g] = d[g];
+  }
+}
+
+// Per-lane online softmax state of G heads over this lane's VC chunks of the value dims: running
+// max m and sum l (log2 domain) and the unnormalised output accumulators.
+template <int G, int VC = 1>
 struct OnlineSoftmax {
-  float m[G], l[G], acc[G][8];
+  float m[G], l[G], acc[G][VC * 8];
   __device__ __forceinline__ void init() {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       m[g] = -INFINITY;
       l[g] = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+      for (int i = 0; i < VC * 8; ++i) acc[g][i] = 0.f;
     }
   }
   // Folds one step's scores (R tokens of this token group; -inf for rows it does not have) into the
@@ -234,16 +281,17 @@ struct OnlineSoftmax {
       }
       l[g] = l[g] * a + sum;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[g][i] *= a;
+      for (int i = 0; i < VC * 8; ++i) acc[g][i] *= a;
       m[g] = mn;
     }
   }
-  // acc += p * v for the token's probabilities p (update_softmax's output) and value row v.
-  __device__ __forceinline__ void compute_pv(const float (&pr)[G], const float (&v)[8]) {
+  // acc += p * v for the token's probabilities p (update_softmax's output) and chunk c of its value
+  // row, v.
+  __device__ __forceinline__ void compute_pv(const float (&pr)[G], const float (&v)[8], int c = 0) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[g][i] += pr[g] * v[i];
+      for (int i = 0; i < 8; ++i) acc[g][c * 8 + i] += pr[g] * v[i];
     }
   }
 };
@@ -257,11 +305,12 @@ struct Dest {
   float* tmp_ml;
 };
 
-// A row that sees no key (one pass: the block's heads head0 .. head0 + nheads - 1): out 0 and lse
-// -inf, or the sink's (finish_softmax). Every thread of the block calls it, then the block exits.
+// A row that sees no key (one pass: the block's heads head0 .. head0 + nheads - 1): out 0 (its Dv
+// columns) and lse -inf, or the sink's (finish_softmax). Every thread of the block calls it, then
+// the block exits.
 template <typename T>
 __device__ __forceinline__ void store_empty_row(const AttentionParams& p, int64_t row, int head0, int nheads) {
-  const int D = int(p.head_size);
+  const int D = int(p.value_head_size);
   for (int idx = threadIdx.x; idx < nheads * D; idx += blockDim.x) {
     const int head = head0 + idx / D, d = idx % D;
     const RowEnd<float> e = finish_softmax(p, -INFINITY, 0.f, head);
@@ -270,15 +319,16 @@ __device__ __forceinline__ void store_empty_row(const AttentionParams& p, int64_
   }
 }
 
-// Merges the token groups' states through shared memory `sm` (merge_floats(ntg, gstride, D)) and
-// writes the block's `nheads` heads from `head0`. Token groups are numbered tile-major: the head tile
-// t (block heads [t * gstride, (t + 1) * gstride)) is served by token groups
-// [t * ntg_tile, (t + 1) * ntg_tile). Has a __syncthreads: every thread of the block calls it.
-template <typename T, int G>
-__device__ __forceinline__ void merge_and_store(const AttentionParams& p, const OnlineSoftmax<G>& st, float* sm,
+// Merges the token groups' states through shared memory `sm` (merge_floats(ntg, gstride, Dv)) and
+// writes the block's `nheads` heads from `head0` (their Dv output columns). Token groups are
+// numbered tile-major: the head tile t (block heads [t * gstride, (t + 1) * gstride)) is served by
+// token groups [t * ntg_tile, (t + 1) * ntg_tile). Has a __syncthreads: every thread of the block
+// calls it.
+template <typename T, int G, int TPT, int VC>
+__device__ __forceinline__ void merge_and_store(const AttentionParams& p, const OnlineSoftmax<G, VC>& st, float* sm,
                                                 int ntg, int ntg_tile, int gstride, int tg, int gcount, bool lead,
-                                                bool active, int d0, int head0, int nheads, const Dest& o) {
-  const int D = int(p.head_size), num_heads = int(p.num_heads);
+                                                int d0, int head0, int nheads, const Dest& o) {
+  const int D = int(p.value_head_size), num_heads = int(p.num_heads);
   float* sml = sm;
   float* sacc = sm + size_t(ntg) * gstride * 2;
 #pragma unroll
@@ -288,9 +338,13 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
         sml[(tg * gstride + g) * 2] = st.m[g];
         sml[(tg * gstride + g) * 2 + 1] = st.l[g];
       }
-      if (active) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sacc[size_t(tg * gstride + g) * D + d0 + i] = st.acc[g][i];
+      for (int c = 0; c < VC; ++c) {
+        if (chunk_dim<TPT>(d0, c) < D) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i)
+            sacc[size_t(tg * gstride + g) * D + chunk_dim<TPT>(d0, c) + i] = st.acc[g][c * 8 + i];
+        }
       }
     }
   }
@@ -327,7 +381,7 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
 // ---- the KV loop: a cp.async ring of staged tiles ------------------------------------------------
 // What one block's threads do in the ring (constant over the KV loop, from the plan's shape).
 struct TileCopy {
-  int units;          // copies per row (row bytes / copy_bytes)
+  int units;          // copies per row (K row bytes / copy_bytes; V rows, Dv <= Dk, take K's layout)
   int row0, row_step;  // this thread's first row of a tile and its stride (row_step rows per pass)
   int unit0, unit_step;
   bool idle;          // threads past rows_per_pass x units copy nothing
@@ -351,17 +405,17 @@ struct TileCopy {
 };
 
 // Copies rows [0, n) of a tile, row r from `src` + offsets[2 r + which] bytes, to `dst` + r x
-// pitch. Bytes is a constant where the view allows 16 (the fast path; copy_async folds to one
-// cp.async.cg), else the plan's width.
+// pitch, `units` copies a row (tc.units for K, fewer for a narrower V). Bytes is a constant where the view
+// allows 16 (the fast path; copy_async folds to one cp.async.cg), else the plan's width.
 template <int kBytes>
 __device__ __forceinline__ void copy_tile_rows(unsigned char* dst, const char* src, const int64_t* offsets, int which,
-                                               int n, int pitch, const TileCopy& tc, int bytes) {
+                                               int n, int pitch, const TileCopy& tc, int bytes, int units) {
   if (tc.idle) return;
   const int cb = kBytes > 0 ? kBytes : bytes;
   for (int r = tc.row0; r < n; r += tc.row_step) {
     const char* s = src + offsets[2 * r + which];
     unsigned char* d = dst + size_t(r) * pitch;
-    for (int u = tc.unit0; u < tc.units; u += tc.unit_step) copy_async(d + u * cb, s + u * cb, cb);
+    for (int u = tc.unit0; u < units; u += tc.unit_step) copy_async(d + u * cb, s + u * cb, cb);
   }
 }
 
@@ -380,9 +434,6 @@ __device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>&
   }
 }
 
-// sh: the launch shape (plan_decode, kernels/plan.h). G heads per token group (1, 2, 4), TPT lanes
-// per token. __launch_bounds__(256, 2): at most 128 registers a thread, so four 128-thread blocks
-// (16 warps, 25% occupancy) are resident per SM.
 // The architecture the kernel is compiled for: nvcc's __CUDA_ARCH__ in device code; in the
 // emulator's builds PAGED_EMU_CUDA_ARCH (csrc/cuda_emu/kernels_decode_sm80.cpp builds the sm_80
 // choice, kernels_decode.cpp sm_90's), so both of the choices below run under the emulator.
@@ -401,12 +452,18 @@ template <int G, typename KV>
 PAGED_HOST_DEVICE constexpr int decode_kernel_rows_per_step() {
   return PAGED_DECODE_ARCH < 900 && G == kMaxHeadsPerThread ? 1 : decode_rows_per_step(int(sizeof(KV)));
 }
+// The same for decode_wide_kernel<T, KV, G, KC, VC> (plan.h decode_wide_rows_per_step).
+template <typename KV>
+PAGED_HOST_DEVICE constexpr int decode_wide_kernel_rows_per_step() {
+  return decode_wide_rows_per_step(int(sizeof(KV)));
+}
 
-template <typename T, typename KV, int TPT, int G>
-__global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, DecodeShape sh, bool split,
-                                                         int partition_size, int num_partitions, float* tmp_out,
-                                                         float* tmp_ml) {
-  PAGED_LAUNCH_BOUNDS_CHECK(256);
+// One block of the decode kernels (decode_kernel, decode_wide_kernel below): TPT lanes per token,
+// G heads per token group, KC chunks of q / K and VC chunks of V per lane (chunk_dim), kRows token
+// rows per step. sh: the launch shape (plan_decode, kernels/plan.h).
+template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows>
+__device__ __forceinline__ void decode_block(const AttentionParams& p, const DecodeShape& sh, bool split,
+                                             int partition_size, int num_partitions, float* tmp_out, float* tmp_ml) {
   // AttentionParams' sizes are int64 (the cpu backend's); the binding checks they fit int, and the
   // kernel narrows them once: 64-bit division and products cost registers and instructions.
   const int group = int(p.num_heads) / int(p.num_kv_heads);
@@ -427,7 +484,7 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
     return;
   }
   const int64_t seq = rs.seq;
-  const int D = int(p.head_size);
+  const int D = int(p.head_size), Dv = int(p.value_head_size);
 
   // Thread layout: token group tg (TPT lanes) serves head tile `tile` (block heads [tile x G,
   // tile x G + gcount)); token groups are numbered tile-major, as merge_and_store expects. Groups
@@ -441,27 +498,31 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
   const int tile = tg / gpt;
   const int tg_in_tile = tg - tile * gpt;
   const int gcount = max(0, min(G, nheads - tile * G));
-  const int d0 = sub * 8;
-  const bool active = d0 < D;  // head sizes that are not 8*TPT leave the top lanes idle
+  const int d0 = sub * 8;  // chunk c of this lane: dims chunk_dim<TPT>(d0, c); past D (Dv): idle
 
-  float q[G][8];
-  load_q<T>(q, p, row, head0 + tile * G, gcount, d0, active);
+  float q[G][KC * 8];
+  load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D);
   ScoreMod<G> mod;
   mod.init(p, head0 + tile * G, rs.pos);
   const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
   const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
-  // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage C K rows and C V rows.
+  // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage (sh.stage_bytes) C K rows
+  // and, sh.v_rows bytes after them, C V rows; sh.v_rows = 0: V is the first Dv columns of K's rows
+  // (one latent, absorbed MLA), read from the staged K rows and never copied itself.
   PAGED_DYNAMIC_SMEM(unsigned char, smem, size_t(sh.smem_bytes));
   const int C = sh.tile_tokens, pitch = sh.pitch;
   int64_t* const offsets = reinterpret_cast<int64_t*>(smem);
   unsigned char* const ring = smem + decode_offsets_bytes(C);
   const char* const kbase = reinterpret_cast<const char*>(K.base);
   const char* const vbase = reinterpret_cast<const char*>(V.base);
-  TileCopy tc;
-  tc.init(D * int(sizeof(KV)), sh.copy_bytes);
+  // The copy layout: held in registers through the KV loop, or (wide kernels, whose q and
+  // accumulators leave no room for it at the register cap) recomputed per tile.
+  TileCopy tc_held;
+  if constexpr (KC == 1) tc_held.init(D * int(sizeof(KV)), sh.copy_bytes);
   const bool wide = sh.copy_bytes == 16;
+  const bool copy_v = sh.v_rows != 0;
 
   const int ntiles = ceil_div(end - start, C);  // block-uniform: every thread meets every barrier
   auto tile_rows = [&](int j) { return j < ntiles ? min(C, end - (start + j * C)) : 0; };
@@ -470,24 +531,29 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
                                 sh.block_shift);
   };
   // Tile j's K rows, then its V rows, into stage j % kDecodeStages: two commit groups always (empty
-  // past the last tile), so the wait counts below hold to the end. Nothing at or past `end` is read.
+  // past the last tile, and the V one when V is read from K's rows), so the wait counts below hold
+  // to the end. Nothing at or past `end` is read.
   auto issue = [&](int j) {
     const int stage = j % kDecodeStages, n = tile_rows(j);
     const int64_t* off = offsets + size_t(stage) * 2 * C;
-    unsigned char* kdst = ring + size_t(stage) * 2 * C * pitch;
-    unsigned char* vdst = kdst + size_t(C) * pitch;
-    if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16);
-    else copy_tile_rows<0>(kdst, kbase, off, 0, n, pitch, tc, sh.copy_bytes);
+    TileCopy tc = tc_held;
+    if constexpr (KC > 1) tc.init(D * int(sizeof(KV)), sh.copy_bytes);
+    unsigned char* kdst = ring + size_t(stage) * sh.stage_bytes;
+    unsigned char* vdst = kdst + sh.v_rows;
+    if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16, tc.units);
+    else copy_tile_rows<0>(kdst, kbase, off, 0, n, pitch, tc, sh.copy_bytes, tc.units);
     cp_async_commit();
-    if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16);
-    else copy_tile_rows<0>(vdst, vbase, off, 1, n, pitch, tc, sh.copy_bytes);
+    if (copy_v) {  // V rows of Dv elements (recomputed here rather than held in a register)
+      const int vrow_bytes = Dv * int(sizeof(KV));
+      if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16, vrow_bytes / 16);
+      else copy_tile_rows<0>(vdst, vbase, off, 1, n, pitch, tc, sh.copy_bytes, vrow_bytes / sh.copy_bytes);
+    }
     cp_async_commit();
   };
 
-  OnlineSoftmax<G> st;
+  OnlineSoftmax<G, VC> st;
   st.init();
   // Token rows of a tile per token group, in steps of kRows (one rescale a step).
-  constexpr int kRows = decode_kernel_rows_per_step<G, KV>();
   const int rows_per_group = ceil_div(C, gpt);
   for (int j = 0; j < kDecodeStages; ++j) locate(j);
   __syncthreads();  // the first tiles' offsets, for every thread's copies
@@ -500,8 +566,8 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
     __syncthreads();
     issue(c + kDecodeStages - 1);  // its offsets were written before the last barrier
     locate(c + kDecodeStages);     // into tile c's offset slot, read when tile c was issued
-    const unsigned char* kt = ring + size_t(c % kDecodeStages) * 2 * C * pitch;
-    const unsigned char* vt = kt + size_t(C) * pitch;
+    const unsigned char* kt = ring + size_t(c % kDecodeStages) * sh.stage_bytes;
+    const unsigned char* vt = kt + sh.v_rows;
     const int t0 = start + c * C, n = tile_rows(c);
     for (int i0 = 0; i0 < rows_per_group; i0 += kRows) {  // block-uniform bound
       float s[kRows][G];
@@ -509,14 +575,19 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
       for (int i = 0; i < kRows; ++i) {
         const int r = tg_in_tile + (i0 + i) * gpt;
         const bool valid = gcount > 0 && i0 + i < rows_per_group && r < n;
-        float k[8];
-        if (valid && active) {
-          load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
-        } else {
+        // every lane computes: the shuffles need the whole warp
+        if constexpr (KC == 1) {
+          float k[8];
+          if (valid && d0 < D) {
+            load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
+          } else {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) k[e] = 0.f;
+            for (int e = 0; e < 8; ++e) k[e] = 0.f;
+          }
+          compute_qk<G, TPT>(q, k, s[i]);
+        } else {
+          compute_qk_chunks<KV, G, TPT, KC>(q, kt + size_t(r) * pitch, d0, D, valid, kscale, s[i]);
         }
-        compute_qk<G, TPT>(q, k, s[i]);  // every lane: the shuffles need the whole warp
         if (valid) {
           mod.apply(s[i], t0 + r, gcount);
         } else {
@@ -532,10 +603,15 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const int r = tg_in_tile + (i0 + i) * gpt;
-        if (gcount > 0 && active && i0 + i < rows_per_group && r < n) {
-          float v[8];
-          load8(reinterpret_cast<const KV*>(vt + size_t(r) * pitch) + d0, v, true, vscale);
-          st.compute_pv(s[i], v);
+        if (gcount > 0 && i0 + i < rows_per_group && r < n) {
+#pragma unroll
+          for (int vc = 0; vc < VC; ++vc) {
+            if (chunk_dim<TPT>(d0, vc) < Dv) {
+              float v[8];
+              load8(reinterpret_cast<const KV*>(vt + size_t(r) * pitch) + chunk_dim<TPT>(d0, vc), v, true, vscale);
+              st.compute_pv(s[i], v, vc);
+            }
+          }
         }
       }
     }
@@ -543,22 +619,46 @@ __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, Decod
   cp_async_wait<0>();  // only empty groups are left; none may be in flight at exit
   __syncthreads();     // the ring is idle: the merge scratch reuses it
 
-  merge_and_store<T>(p, st, reinterpret_cast<float*>(smem), ntg, gpt, G, tg, gcount, sub == 0, active, d0, head0,
-                     nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
+  merge_and_store<T, G, TPT, VC>(p, st, reinterpret_cast<float*>(smem), ntg, gpt, G, tg, gcount, sub == 0, d0, head0,
+                                 nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
+}
+
+// Head sizes up to 256 (Dk and Dv): one chunk per lane. G heads per token group (1, 2, 4), TPT
+// lanes per token. __launch_bounds__(256, 2): at most 128 registers a thread, so four 128-thread
+// blocks (16 warps, 25% occupancy) are resident per SM.
+template <typename T, typename KV, int TPT, int G>
+__global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, DecodeShape sh, bool split,
+                                                         int partition_size, int num_partitions, float* tmp_out,
+                                                         float* tmp_ml) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
+  decode_block<T, KV, TPT, G, 1, 1, decode_kernel_rows_per_step<G, KV>()>(p, sh, split, partition_size,
+                                                                          num_partitions, tmp_out, tmp_ml);
+}
+
+// Key heads over 256 (MLA's 576-wide latent): 32 lanes a token, KC chunks of q / K and VC of V per
+// lane (plan.h decode_wide_chunks: one instantiation, G = 1, KC = VC = 3, per dtype pair). The same
+// block, register cap and ring as decode_kernel.
+template <typename T, typename KV, int G, int KC, int VC>
+__global__ void __launch_bounds__(256, 2) decode_wide_kernel(AttentionParams p, DecodeShape sh, bool split,
+                                                              int partition_size, int num_partitions, float* tmp_out,
+                                                              float* tmp_ml) {
+  PAGED_LAUNCH_BOUNDS_CHECK(256);
+  decode_block<T, KV, 32, G, KC, VC, decode_wide_kernel_rows_per_step<KV>()>(p, sh, split, partition_size,
+                                                                             num_partitions, tmp_out, tmp_ml);
 }
 
 // Log-sum-exp merge of the split-KV partials of one (row, query head), in one fixed order (partition
 // 0, 1, ...), adding the head's sink once (finish_softmax); writes the output and the lse. Every
 // thread computes the partitions' weights itself (no shared memory, so no bound on the partition
 // count) in the same order, so all of them see the same L. Only the row's own partitions were
-// written (none for a row that sees no key: out 0, lse -inf or the sink's).
+// written (none for a row that sees no key: out 0, lse -inf or the sink's). Rows of Dv floats.
 template <typename T>
 __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, int partition_size, int num_partitions,
                                                             const float* tmp_out, const float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(128);
   const int64_t row = blockIdx.x;
   const int head = blockIdx.y;
-  const int D = int(p.head_size), num_heads = int(p.num_heads);
+  const int D = int(p.value_head_size), num_heads = int(p.num_heads);
   const int nparts = row_partitions(row_span(p, row), partition_size);  // only these were written
   const size_t row0 = (size_t(row) * num_heads + head) * num_partitions;
   float M = -INFINITY;
@@ -585,7 +685,8 @@ __global__ void __launch_bounds__(128) decode_reduce_kernel(AttentionParams p, i
 // pl.workspace_floats floats (null when that is 0).
 inline void launch(const AttentionParams& p, const DecodePlan& pl, float* workspace, Stream stream) {
   float* tmp_out = workspace;
-  float* tmp_ml = workspace ? workspace + size_t(pl.num_rows) * p.num_heads * pl.num_partitions * p.head_size : nullptr;
+  float* tmp_ml =
+      workspace ? workspace + size_t(pl.num_rows) * p.num_heads * pl.num_partitions * p.value_head_size : nullptr;
   const dim3 grid(unsigned(pl.grid_x), pl.grid_y, pl.grid_z);
   dispatch_float(DType(p.dtype), [&](auto tt) {
     using T = typename decltype(tt)::type;
@@ -605,7 +706,10 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
           default: return run(decode_kernel<T, KV, TPT, kMaxHeadsPerThread>);
         }
       };
-      if (pl.tpt == 8) by_heads(std::integral_constant<int, 8>{});
+      if (pl.k_chunks > 1) {  // key heads over 256: plan.h decode_wide_chunks' one shape
+        if (pl.heads_per_thread == 1 && pl.k_chunks == 3 && pl.v_chunks == 3) run(decode_wide_kernel<T, KV, 1, 3, 3>);
+        else throw std::runtime_error("paged_cuda: no decode_wide_kernel for this plan");
+      } else if (pl.tpt == 8) by_heads(std::integral_constant<int, 8>{});
       else if (pl.tpt == 16) by_heads(std::integral_constant<int, 16>{});
       else by_heads(std::integral_constant<int, 32>{});
     });

@@ -49,6 +49,19 @@ inline int widest_row_copy(const AttentionParams& p) {
   return u;
 }
 
+// widest_row_copy for caches of two head sizes (keys head_size, values value_head_size): every K and
+// V row start and both row lengths.
+inline int widest_kv_row_copy(const AttentionParams& p) {
+  const int elem = dtype_bytes(p.cache_dtype);
+  int u = 16;
+  while (u > 1 &&
+         !(int64_t(p.head_size) * elem % u == 0 && int64_t(p.value_head_size) * elem % u == 0 &&
+           aligned_to(p.key_cache, elem, {p.k_stride_block, p.k_stride_token, p.k_stride_head}, u) &&
+           aligned_to(p.value_cache, elem, {p.v_stride_block, p.v_stride_token, p.v_stride_head}, u)))
+    u >>= 1;
+  return u;
+}
+
 }  // namespace paged
 #endif  // PAGED_KV_HOST_PART
 

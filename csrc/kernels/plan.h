@@ -42,8 +42,34 @@ constexpr int kMaxRegistersPerThread = 128;  // decode_kernel's __launch_bounds_
 
 // Heads per token group: the group rounded up to 1, 2 or 4 (a template parameter of the kernel).
 inline int heads_per_thread(int group) { return group <= 1 ? 1 : group <= 2 ? 2 : kMaxHeadsPerThread; }
-// Lanes that share one token (each owns 8 dims): 8, 16 or 32.
+// Lanes that share one token (each owns 8 dims per chunk): 8, 16 or 32 (32 for every wide head).
 inline int lanes_per_token(int head_size) { return head_size <= 64 ? 8 : head_size <= 128 ? 16 : 32; }
+
+// Wide heads: a key head over kMaxNarrowHeadSize = 8 x 32 lanes (MLA's 576 = 512 latent + 64 RoPE
+// columns) takes decode_wide_kernel, whose 32 lanes a token own KC = 3 chunks of q / K and VC = 3 of
+// V and the accumulators each (decode.cuh chunk_dim: Dk, Dv <= 768), one head per token group
+// (G = 1). One shape, so nvcc compiles 9 more kernels per arch, not the chunk counts' product.
+// Two heads per token group (the narrow kernels' way to share a staged row among more heads) do
+// not fit: q (48) and the accumulators (32 or 48) of two heads beside the scores and addresses spill
+// at the 128-register cap on sm_80 or sm_90 whatever the step length (ptxas -v). A narrower head
+// inside the shape leaves the chunks past it idle (zeros, nothing read).
+constexpr int kMaxNarrowHeadSize = 256;
+struct WideChunks {
+  int G, KC, VC;
+};
+inline WideChunks decode_wide_chunks() { return WideChunks{1, 3, 3}; }
+// Token rows per step of decode_wide_kernel (one rescale a step): 4, 2 for float32 caches (112-118
+// registers on sm_80 / sm_90, no spills).
+PAGED_HOST_DEVICE constexpr int decode_wide_rows_per_step(int cache_bytes) { return cache_bytes == 4 ? 2 : 4; }
+
+// V read from the staged K rows: value_cache is key_cache's first Dv columns, same base and strides
+// (absorbed MLA: value_cache = key_cache[..., :Dv]), so each latent row is copied to shared memory
+// once for both products and the block reads it from memory once.
+inline bool values_in_key_rows(const AttentionParams& p) {
+  return p.value_cache == p.key_cache && p.v_stride_block == p.k_stride_block &&
+         p.v_stride_token == p.k_stride_token && p.v_stride_head == p.k_stride_head &&
+         p.value_head_size <= p.head_size;
+}
 
 // Shape of a decode_kernel launch (plain data, passed to the kernel by value).
 struct DecodeShape {
@@ -51,14 +77,17 @@ struct DecodeShape {
   int n_hchunks;        // head chunks per KV head (on grid x, next to each other)
   int groups_per_tile;  // token groups serving each head tile (block heads [t * G, (t + 1) * G))
   int tile_tokens;      // KV tokens per staged tile (C)
-  int pitch;            // bytes of one staged K or V row: head_size * cache bytes, rounded up to 16
+  int pitch;            // bytes of one staged K or V row: head_size (Dk) * cache bytes, rounded up to 16
+  int stage_bytes;      // bytes of one ring stage: C K rows, then (v_rows != 0) C V rows
+  int v_rows;           // bytes from a stage's K rows to its V rows (C x pitch); 0: V is read from the
+                        // K rows (values_in_key_rows) and never copied
   int copy_bytes;       // bytes per copy_async (16 when pointer and strides allow, down to 1)
   int block_shift;      // log2(block_size) when it is a power of two, else -1
   int smem_bytes;       // dynamic shared memory (decode_smem)
 };
 
 // Floats of the token groups' merge scratch: [ntg][gstride] (max, sum) pairs, then
-// [ntg][gstride][D] accumulators.
+// [ntg][gstride][D] accumulators (D: the value head size).
 PAGED_HOST_DEVICE size_t merge_floats(int ntg, int gstride, int D) { return size_t(ntg) * gstride * (D + 2); }
 
 // Shared memory of decode_kernel: per ring stage, the tile's K and V byte offsets (int64, from the
@@ -66,9 +95,9 @@ PAGED_HOST_DEVICE size_t merge_floats(int ntg, int gstride, int D) { return size
 PAGED_HOST_DEVICE size_t decode_offsets_bytes(int tile_tokens) {
   return size_t(kDecodeStages) * tile_tokens * 2 * sizeof(int64_t);
 }
-PAGED_HOST_DEVICE size_t decode_smem(const DecodeShape& sh, int threads, int tpt, int G, int D) {
-  const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * 2 * sh.tile_tokens * sh.pitch;
-  const size_t merge = merge_floats(threads / tpt, G, D) * sizeof(float);
+PAGED_HOST_DEVICE size_t decode_smem(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
+  const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * sh.stage_bytes;
+  const size_t merge = merge_floats(threads / tpt, G, Dv) * sizeof(float);
   return ring > merge ? ring : merge;
 }
 
@@ -79,6 +108,7 @@ struct DecodePlan {
   bool split;
   int threads, tpt, partition_size, num_partitions;
   int heads_per_thread;  // G, the kernel's template parameter
+  int k_chunks, v_chunks;  // 1, 1: decode_kernel; else decode_wide_kernel<T, KV, G, k_chunks, v_chunks>
   DecodeShape sh;
   int64_t num_rows;  // query rows: num_seqs (decode), or num_tokens (prefill rows, batch-invariant mode)
   int64_t grid_x;
@@ -104,9 +134,13 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
 // kMaxHeadsPerBlock heads is served by one block).
 inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg, DecodePlan& pl) {
   const int group = p.num_heads / p.num_kv_heads;
-  const int G = heads_per_thread(group);
+  const bool wide = p.head_size > kMaxNarrowHeadSize;
+  const WideChunks wc = decode_wide_chunks();
+  const int G = wide ? wc.G : heads_per_thread(group);
   pl.tpt = lanes_per_token(p.head_size);
   pl.heads_per_thread = G;
+  pl.k_chunks = wide ? wc.KC : 1;
+  pl.v_chunks = wide ? wc.VC : 1;
   const int block_tiles = (std::min(group, kMaxHeadsPerBlock) + G - 1) / G;  // head tiles one block would like
   int threads = cfg.threads > 0 ? cfg.threads : std::min(256, std::max(kDecodeThreads, block_tiles * pl.tpt));
   threads = (threads + 31) / 32 * 32;
@@ -121,14 +155,22 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   sh.groups_per_tile = ntg / (sh.heads_per_block / G);
   const int elem = dtype_bytes(p.cache_dtype);
   sh.pitch = (p.head_size * elem + 15) / 16 * 16;
-  sh.copy_bytes = widest_row_copy(p);
-  int tile = cfg.kv_tile > 0 ? cfg.kv_tile : sh.groups_per_tile * decode_rows_per_step(elem);
+  sh.copy_bytes = widest_kv_row_copy(p);
+  const bool v_in_k = values_in_key_rows(p);
+  const int token_bytes = (v_in_k ? 1 : 2) * sh.pitch;  // of one token in a stage
   const int budget = cfg.kv_tile > 0 ? kMaxDecodeStageBytes : kDecodeStageBytes;
-  sh.tile_tokens = std::max(1, std::min(tile, budget / (2 * sh.pitch)));
+  // The default tile: one step of every token group, or for wide heads (whose steps are a couple of
+  // rows) the whole stage budget, so the ring still keeps ~2 x 16 KB in flight.
+  int tile = cfg.kv_tile > 0 ? cfg.kv_tile
+             : wide          ? budget / token_bytes
+                             : sh.groups_per_tile * decode_rows_per_step(elem);
+  sh.tile_tokens = std::max(1, std::min(tile, budget / token_bytes));
+  sh.v_rows = v_in_k ? 0 : sh.tile_tokens * sh.pitch;
+  sh.stage_bytes = sh.tile_tokens * token_bytes;
   sh.block_shift = -1;
   for (int s = 0; s < 31; ++s)
     if ((int64_t(1) << s) == p.block_size) sh.block_shift = s;
-  sh.smem_bytes = int(decode_smem(sh, threads, pl.tpt, G, p.head_size));
+  sh.smem_bytes = int(decode_smem(sh, threads, pl.tpt, G, int(p.value_head_size)));
   pl.smem = size_t(sh.smem_bytes);
   // Resident blocks per SM by shared memory and registers (the kernel's register cap).
   const int by_smem = kSmemPerSM / (sh.smem_bytes + kSmemReservedPerBlock);
@@ -197,7 +239,8 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
                                 " partitions of " + std::to_string(part) + " tokens)");
   pl.num_partitions = int(std::max<int64_t>(parts, 1));
   pl.grid_z = pl.num_partitions;
-  pl.workspace_floats = pl.split ? size_t(pl.num_rows) * p.num_heads * pl.num_partitions * (p.head_size + 2) : 0;
+  pl.workspace_floats =
+      pl.split ? size_t(pl.num_rows) * p.num_heads * pl.num_partitions * (p.value_head_size + 2) : 0;
   return pl;
 }
 
@@ -208,9 +251,11 @@ constexpr int kPrefillKvTile = 32;
 // (prefill.cuh prefill_rows' MaxChunks): 32 up to head size 256 (prefill_kernel), 72 up to 576
 // (prefill_wide_kernel: MLA's latent), a kernel of its own so the narrow one keeps its registers.
 constexpr int kPrefillChunks = 32, kPrefillWideChunks = 72;
-// The CUDA-core kernel's shared memory is capped here (A100's 163 KB per block, less the static
-// part): an explicit kv_tile that would pass it is halved until it fits.
-constexpr size_t kPrefillMaxSmem = 160 * 1024;
+// The CUDA-core kernel's shared memory is capped here: 99 KB, the smallest per-block opt-in limit of
+// the GPUs built for (sm_86 / sm_89; A100 has 163 KB, H100 227 KB). A kv_tile that would pass it
+// (the default at heads above 256: 113 KB at 576; an explicit 256 threads x 64 keys at 256) is
+// halved until it fits.
+constexpr size_t kPrefillMaxSmem = 99 * 1024;
 // Tensor-core kernels: 4 warps x 16 packed rows; KV tiles of 32 tokens (the general kernel, any
 // cache), the pipelined kernel's (cp.async tiles, double-buffered, of a 16-bit cache) below.
 constexpr int kTcRows = 64, kTcKv = 32, kTcThreads = 128;
