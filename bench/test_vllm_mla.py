@@ -1,0 +1,26 @@
+"""Smoke test of bench.vllm_mla (issue #24 item 3) at tiny shapes: our rows always, checked
+against the float64 reference before timing; vLLM's where it imports (block 16 only for its
+CPU_MLA kernel, whose refusal of block 64 is recorded), else the result says it does not."""
+from __future__ import annotations
+
+from bench import vllm_mla as M
+
+
+def test_vllm_mla_benchmark_runs(bench_results):
+    result = M.main(["--smoke", "--threads", "1"])
+    bench_results["sections"]["vllm_mla"] = (result, M.header(result) + "\n" + M.table(result))
+    assert {r["block_size"] for r in result["rows"]} == {16, 64}
+    for r in result["rows"]:
+        assert r["gbps_paged_ops"] > 0 and r["paged_ops_check_rel_err"] <= 1e-2, r
+        assert r["latent_bytes"] == r["num_seqs"] * r["context_len"] * 576 * 2
+    if M.vllm_missing() is not None:
+        assert result["vllm"].startswith("vllm not importable"), result["vllm"]
+        assert not any("gbps_vllm" in r for r in result["rows"])
+    else:
+        for r in result["rows"]:
+            if r["block_size"] == 16:
+                assert r["gbps_vllm"] > 0 and r["vllm_check_rel_err"] <= 1e-2, r
+            else:
+                assert "Unsupported block size" in r["vllm_refused"], r
+            if M.amx_available():
+                assert r["gbps_vllm_amx"] > 0 and r["vllm_amx_check_rel_err"] <= 1e-2, r
