@@ -45,7 +45,8 @@ def rows(config=None, dtypes=DTYPES) -> list[dict]:
         per_token = per_layer * config.num_hidden_layers
         out.append({"cache": name, "dtype": str(dtype).removeprefix("torch."),
                     "shape per block": f"[*, bs, {layout.num_kv_heads}, {layout.key_size}]"
-                                       + ("" if layout.value_in_key else f" + [*, bs, {layout.num_kv_heads}, {layout.value_size}]"),
+                                       + ("" if layout.value_in_key else
+                                          f" + [*, bs, {layout.num_kv_heads}, {layout.value_size}]"),
                     "bytes/token/layer": per_layer, "KiB/token (all layers)": per_token / 1024,
                     "tokens/GiB": GiB // per_token})
     latent_bytes = out[0]["bytes/token/layer"]
@@ -69,7 +70,8 @@ def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--dtype", nargs="+", default=[str(d).removeprefix("torch.") for d in DTYPES],
                     choices=["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"])
-    ap.add_argument("--save", action="store_true", help="write the 'kv_bytes' section of the results file (bench.common.RESULTS_DIR)")
+    ap.add_argument("--save", action="store_true",
+                    help="write the 'kv_bytes' section of the results file (bench.common.RESULTS_DIR)")
     args = ap.parse_args(argv)
     result = rows(dtypes=[getattr(torch, d) for d in args.dtype])
     print(summary(result))

@@ -96,7 +96,8 @@ class ModelRunner:
         self.cpu_kv = self._allocate(num_cpu_blocks, torch.device("cpu")) if num_cpu_blocks else None
 
     def _allocate(self, num_blocks: int, device: torch.device) -> KVCache:
-        return KVCache.allocate(self.cache_layout, self.num_layers, num_blocks, self.block_size, self.cache_dtype, device)
+        return KVCache.allocate(self.cache_layout, self.num_layers, num_blocks, self.block_size, self.cache_dtype,
+                                device)
 
     def _profile_num_blocks(self, config: EngineConfig) -> int:
         """CPU: kv_cache_memory_bytes (default 1 GiB). CUDA: what gpu_memory_utilization of the

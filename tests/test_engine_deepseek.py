@@ -140,7 +140,8 @@ def test_mla_context_blocks_dedupes_shared_blocks():
     kv = KVCache([torch.zeros(10, 4, 1, 8)], [], [None], [None], True)
     # sequences of 9 and 5 tokens share block 7; entries past their lengths (the 0s) are not read
     meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=i32([[7, 3, 9], [7, 2, 0]]),
-                             cu_seqlens_q=i32([0, 1, 2]), seq_lens=i32([9, 5]), max_seqlen_q=1, decode_only=False, kv=kv)
+                             cu_seqlens_q=i32([0, 1, 2]), seq_lens=i32([9, 5]), max_seqlen_q=1, decode_only=False,
+                             kv=kv)
     ids, tables = mla_context_blocks(meta)
     assert ids.tolist() == [2, 3, 7, 9]
     assert ids[tables[0].long()].tolist() == [7, 3, 9] and ids[tables[1, :2].long()].tolist() == [7, 2]
@@ -180,7 +181,8 @@ def test_fp8_latent_cache(ckpt, ref, arch, kv_cache_dtype):
     assert kv.key_caches[0].dtype == fp8 and kv.value_caches[0].data_ptr() == kv.key_caches[0].data_ptr()
     assert all(s.shape == (1,) and s.dtype == torch.float32 for s in kv.k_scales) and kv.v_scales == kv.k_scales
     assert tokens(outs) == hf_greedy_fp8_latents(ckpt(arch), PROMPTS, MAX_TOKENS, fp8, kv.k_scales)
-    assert tokens(outs) != ref(arch)  # the rounding shows in a tiny random model's tokens: the oracle is not the fp32 one
+    # the rounding shows in this tiny random model's tokens, so the oracle is not the fp32 one
+    assert tokens(outs) != ref(arch)
 
 
 def test_checkpoint_k_scale_is_the_latent_scale(ckpt, tmp_path):
@@ -209,5 +211,6 @@ def test_bfloat16_runs_close_to_float32(ckpt, ref, arch):
     # so the non-absorbed path reads bf16 context latents too. A tiny random model's logits are
     # flat: bf16 rounding may flip a first token, as for Llama (test_engine_e2e)
     llm, outs = run(ckpt(arch), dtype="bfloat16", block_size=4, max_num_batched_tokens=7)
-    assert llm.runner.kv.key_caches[0].dtype == torch.bfloat16 and llm.runner.model.layers[0].self_attn.w_uk.dtype == torch.bfloat16
+    assert llm.runner.kv.key_caches[0].dtype == torch.bfloat16
+    assert llm.runner.model.layers[0].self_attn.w_uk.dtype == torch.bfloat16
     assert sum(t[0] == r[0] for t, r in zip(tokens(outs), ref(arch))) >= len(PROMPTS) - 1

@@ -57,7 +57,8 @@ class MLAttention(nn.Module):
         self.nope, self.rope_dim, self.v_head = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.q_proj, self.q_a_proj, self.q_a_layernorm, self.q_b_proj = (
             attn.q_proj, attn.q_a_proj, attn.q_a_layernorm, attn.q_b_proj)  # q_proj None when q_lora_rank is set
-        self.kv_a_proj, self.kv_a_layernorm, self.kv_b_proj = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj
+        self.kv_a_proj, self.kv_a_layernorm = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm
+        self.kv_b_proj = attn.kv_b_proj
         self.o_proj, self.scale, self.rope = attn.o_proj, attn.scaling, rope
         w = attn.kv_b_proj.weight.detach().view(self.num_heads, self.nope + self.v_head, self.rank)
         self.w_uk = nn.Buffer(w[:, :self.nope].contiguous())
@@ -79,7 +80,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAttention(hf_layer.self_attn, config, rope)
         self.mlp = hf_layer.mlp  # dense MLP, or MoE (router, routed experts, shared experts): [T, hidden] in and out
-        self.input_layernorm, self.post_attention_layernorm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+        self.input_layernorm = hf_layer.input_layernorm
+        self.post_attention_layernorm = hf_layer.post_attention_layernorm
 
     def forward(self, layer_idx: int, x: torch.Tensor, pos, mla) -> torch.Tensor:
         x = x + self.self_attn(layer_idx, self.input_layernorm(x), pos, mla)
