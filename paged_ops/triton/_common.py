@@ -171,15 +171,18 @@ def key_split(head_size: int) -> tuple[int, int]:
     same tensor-core work as one dot over the concatenated columns (an MMA's K extent is a sum
     of chunks anyway), so the split costs nothing but the padding it removes; vLLM's Triton MLA
     decode does the same (BLOCK_DMODEL 512 + BLOCK_DPE 64). The remainder's mask is a
-    compile-time constant, so its loads stay vectorized. Split only where it saves columns
-    (main + rest < head_pad): 64, 128, 256 (no remainder) and e.g. 104 = 64 + 40 -> 64 + 64 keep
-    one tile. Values are not split: MLA's value widths (512 absorbed, 128 non-absorbed) are
+    compile-time constant, so its loads stay vectorized. Split only above 128 columns and where
+    it saves columns (main + rest < head_pad): 256, 512 (no remainder) and e.g. 200 = 128 + 72 ->
+    128 + 128 keep one tile. Up to 128 the padding is at most 56 columns of a small tile, and
+    the split's second dot and loads made sm_80 spill 8-16 B at head 72 (64 + 16) with the
+    default decode configs: those head sizes keep the one tile they were compile-checked with.
+    Values are not split: MLA's value widths (512 absorbed, 128 non-absorbed) are
     powers of two, and a split accumulator would double the P @ V dots and every epilogue store.
     """
     head_size = int(head_size)
     pad = head_pad(head_size)
     main = max(16, 1 << (head_size.bit_length() - 1))  # the largest power of two <= head_size
-    if head_size <= main:
+    if head_size <= 128 or head_size <= main:
         return pad, 0
     rest = max(16, next_pow2(head_size - main))  # >= 16: tl.dot's K
     return (main, rest) if main + rest < pad else (pad, 0)
