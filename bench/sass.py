@@ -127,6 +127,17 @@ def _decode(args):  # decode_kernel<T, KV, TPT, G>, group = G: plan_decode_shape
     return threads, max(ring, _merge_floats(ntg, g, head) * 4), f"head {head}, group {g}, tile {tile}"
 
 
+def _decode_wide(args):  # decode_wide_kernel<T, KV, G, KC, VC> at absorbed MLA: Dk 576, Dv 512, 16 heads, 1 KV head
+    elem, dk, dv, group, tpt = _elem(args[1]), 576, 512, 16, 32
+    threads = min(256, max(PLAN["kDecodeThreads"], group * tpt))  # G = 1: one head tile per token group
+    ntg = threads // tpt
+    pitch = (dk * elem + 15) // 16 * 16
+    tile = max(1, PLAN["kDecodeStageBytes"] // pitch)  # V read from the staged K rows (values_in_key_rows)
+    stages = PLAN["kDecodeStages"]
+    ring = stages * tile * 2 * 8 + stages * tile * pitch
+    return threads, max(ring, _merge_floats(ntg, 1, dv) * 4), f"head {dk}/{dv} latent, group {group}, tile {tile}"
+
+
 def _prefill(args, d=128):  # prefill_kernel<T, KV> (prefill_wide_kernel: head 576): rows = threads / 8
     threads, bn = PLAN["kPrefillThreads"], PLAN["kPrefillKvTile"]
     rows = threads // 8
@@ -148,6 +159,7 @@ def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bi
 
 LAUNCH = [
     ("decode_kernel", _decode),
+    ("decode_wide_kernel", _decode_wide),
     ("decode_reduce_kernel", lambda a: (128, 0, "")),
     ("prefill_kernel", _prefill),
     ("prefill_wide_kernel", lambda a: _prefill(a, 576)),

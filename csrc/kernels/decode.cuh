@@ -19,6 +19,14 @@
 //    32; head_size any multiple of 8 up to 256), and serves a head tile of G <= 4 heads (q and the
 //    accumulators of 4 heads x 8 dims fit 128 registers); the block's token groups are divided
 //    among its head tiles, each tile's groups walking the staged tile's tokens.
+//  * Keys and values of their own head sizes: q / K have head_size Dk, V and out value_head_size
+//    Dv <= Dk (MLA). A lane's chunks past Dk (Dv) are idle. Key heads over 256, up to 576 (MLA's
+//    latent), take decode_wide_kernel: 32 lanes a token, each owning KC = 3 chunks of q / K and
+//    VC = 3 of V (chunk_dim), one head per token group (plan.h decode_wide_chunks says why), and
+//    ring stages of a whole 16 KB budget. When value_cache is key_cache's first Dv columns (same
+//    base and strides: absorbed MLA), the wide kernel stages each latent row once and reads V from
+//    the staged K rows, so a block reads each latent row from memory once for all its heads (16
+//    heads: two blocks of 8 a row, next to each other on grid x, so the second reads hit L2).
 //  * Softmax rescale once per step of decode_rows_per_step tokens per token group (the default tile
 //    is one step), not per token.
 //
@@ -35,7 +43,7 @@
 //
 // Split-KV (flash-decoding). With few sequences x KV heads the one-pass grid cannot fill the GPU,
 // so the context is cut into partitions of `partition_size` tokens along gridDim.z; each writes a
-// normalised partial output plus its (max, sum) to a float32 workspace and decode_reduce_kernel
+// normalised partial output (Dv floats) plus its (max, sum) to a float32 workspace and decode_reduce_kernel
 // merges them with log-sum-exp weights. Partitions past a sequence's length exit at once.
 // Partitions are aligned to multiples of partition_size from the row's first visible key's
 // partition, so a given key range is always cut the same way. plan_decode (kernels/plan.h) sizes
@@ -543,7 +551,11 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16, tc.units);
     else copy_tile_rows<0>(kdst, kbase, off, 0, n, pitch, tc, sh.copy_bytes, tc.units);
     cp_async_commit();
-    if (copy_v) {  // V rows of Dv elements (recomputed here rather than held in a register)
+    // V rows of Dv elements (their copy count recomputed here rather than held in a register). The
+    // narrow kernels always copy them (the plan reads V from K's rows in the wide ones only): a
+    // run-time branch here lengthens their loop's dependent-load chain (bench/sass.py: 20 rather than 18
+    // rounds on sm_90 at G = 4).
+    if (KC == 1 || copy_v) {
       const int vrow_bytes = Dv * int(sizeof(KV));
       if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16, vrow_bytes / 16);
       else copy_tile_rows<0>(vdst, vbase, off, 1, n, pitch, tc, sh.copy_bytes, vrow_bytes / sh.copy_bytes);

@@ -156,7 +156,7 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   const int elem = dtype_bytes(p.cache_dtype);
   sh.pitch = (p.head_size * elem + 15) / 16 * 16;
   sh.copy_bytes = widest_kv_row_copy(p);
-  const bool v_in_k = values_in_key_rows(p);
+  const bool v_in_k = wide && values_in_key_rows(p);  // decode.cuh: the narrow kernels always copy V
   const int token_bytes = (v_in_k ? 1 : 2) * sh.pitch;  // of one token in a stage
   const int budget = cfg.kv_tile > 0 ? kMaxDecodeStageBytes : kDecodeStageBytes;
   // The default tile: one step of every token group, or for wide heads (whose steps are a couple of
