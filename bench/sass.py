@@ -141,7 +141,10 @@ def _decode_wide(args):  # decode_wide_kernel<T, KV, G, KC, VC> at absorbed MLA:
 def _prefill(args, d=128):  # prefill_kernel<T, KV> (prefill_wide_kernel: head 576): rows = threads / 8
     threads, bn = PLAN["kPrefillThreads"], PLAN["kPrefillKvTile"]
     rows = threads // 8
-    return threads, (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4, f"head {d}"
+    smem = lambda bn: (rows * d + bn * (d + 1) + rows * bn + 3 * rows) * 4  # noqa: E731 plan.h prefill_cuda_core_smem
+    while bn > 1 and smem(bn) > 99 * 1024:  # plan.h kPrefillMaxSmem
+        bn //= 2
+    return threads, smem(bn), f"head {d}, {bn}-key tiles"
 
 
 def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DK, DV>: Q, K[2] of DK, V[2] of DV, 16-bit
