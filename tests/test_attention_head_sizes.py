@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 import paged_ops
 from paged_ops import reference
