@@ -93,3 +93,34 @@ def make_tokenizer(path: str) -> str:
     assert tok.get_vocab_size() <= COMMON["vocab_size"] and tok.token_to_id("</s>") == 2
     PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
     return path
+
+
+# MLA (#24 item 5): tiny DeepSeek-V2 / V3 whose latent row is DeepSeek's own, kv_lora_rank 512 +
+# RoPE 64 = 576 (vLLM's CPU_MLA backend takes no other width), with small heads around it (4
+# heads, qk_nope 32, v_head 32). V2: no query LoRA, dense MLPs; V3: query LoRA, a mixture of
+# experts on layer 1 (sigmoid routing, a shared expert), interleaved RoPE, YaRN scaling (mscale
+# moves the softmax scale).
+MLA_COMMON = dict(COMMON, num_key_value_heads=4, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32,
+                  v_head_dim=32, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2)
+MLA_KINDS = {
+    "deepseek_v2": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=2)),
+    "deepseek_v3": ("DeepseekV3Config", dict(q_lora_rank=32, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                             topk_method="noaux_tc",  # vLLM then loads e_score_correction_bias
+                                             n_shared_experts=1, num_mtp_layers=0, rope_interleave=True,
+                                             rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                                  mscale=1.0, mscale_all_dim=1.0, beta_fast=32.0,
+                                                                  beta_slow=1.0, original_max_position_embeddings=256))),
+}
+
+
+def make_mla(kind: str, path: str, seed: int = 0) -> str:
+    """A tiny random DeepSeek checkpoint (MLA_KINDS) saved with save_pretrained. Idempotent."""
+    import transformers
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    cfg_name, extra = MLA_KINDS[kind]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cfg_name)(**(MLA_COMMON | extra))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(path)
+    return path

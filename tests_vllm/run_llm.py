@@ -6,7 +6,8 @@ registers) and print its greedy outputs as one JSON line.
 Each run: model, prompts (token id lists), max_tokens, rounds (generate the prompts this many
 times; later rounds hit the prefix cache), logprobs (top-k per output token), dtype, and LLM
 keyword arguments under "llm". The runs share the process (vLLM is imported once). Output line:
-``RESULT {"backend": class path registered for CPU_ATTN, "runs": [[round: [{"tokens", "logprobs",
+``RESULT {"backend": class path registered for CPU_ATTN, "backends": {CPU_ATTN, CPU_MLA, AMX_MLA: class
+path}, "runs": [[round: [{"tokens", "logprobs",
 "cached"}, ...]], ...]}``.
 """
 from __future__ import annotations
@@ -48,6 +49,8 @@ def main(specs: list[dict]) -> dict:
     runs = [run(s) for s in specs]
     # Plugins are loaded when the engine starts; the override is visible only afterwards.
     return {"backend": AttentionBackendEnum.CPU_ATTN.get_path(), "plugins": os.environ.get("VLLM_PLUGINS"),
+            "backends": {m.name: m.get_path() for m in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CPU_MLA,
+                                                       AttentionBackendEnum.AMX_MLA)},
             "runs": runs}
 
 

@@ -3,7 +3,8 @@
 Off unless asked for. vLLM calls the entry point ``paged_ops`` of the ``vllm.general_plugins``
 group (:func:`register`) in every process (front end, engine core, each worker) whenever
 ``VLLM_PLUGINS`` is unset or names it, so installing paged-ops alone would replace vLLM's backend in
-every run; :func:`register` therefore replaces ``CPU_ATTN`` only when selected:
+every run; :func:`register` therefore replaces ``CPU_ATTN`` (and, for MLA models, ``CPU_MLA`` and
+``AMX_MLA`` by :mod:`paged_ops.integrations.vllm_mla`) only when selected:
 
 * ``PAGED_OPS_VLLM=1``: on (vLLM still has to call it: ``VLLM_PLUGINS`` unset, or naming ``paged_ops``);
 * ``PAGED_OPS_VLLM=0``: off, even with ``VLLM_PLUGINS=paged_ops`` (the opt-out wins, for a job
@@ -15,7 +16,8 @@ any other ``PAGED_OPS_VLLM`` value is a ValueError naming it. Environment variab
 spawned engine and worker processes, so every process decides the same way. A process whose
 attention layers are built with this backend logs one INFO line through vLLM's logger, with the
 first layer: ``paged_ops: CPU_ATTN -> paged_ops.integrations.vllm.PagedOpsAttentionBackend
-(VLLM_PLUGINS=paged_ops)`` (one per worker: with tensor or pipeline parallelism, one per rank).
+(VLLM_PLUGINS=paged_ops)`` (one per worker: with tensor or pipeline parallelism, one per rank);
+a process building MLA layers logs ``paged_ops: CPU_MLA -> ..., AMX_MLA -> ... (...)`` instead.
 
 The KV cache: vLLM hands each layer a logical ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
 view whose last dimension is one token's key followed by its value. Transposing the middle two
@@ -242,7 +244,7 @@ class PagedOpsAttentionImpl(AttentionImpl[PagedOpsMetadata]):
 
 ENV = "PAGED_OPS_VLLM"
 _ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-_announced = False  # the one log line per process has been written (_announce)
+_announced: set[str] = set()  # the kinds of layer whose log line this process has written (_announce)
 
 
 def selected(environ=None) -> tuple[bool, str]:
@@ -266,7 +268,8 @@ def selected(environ=None) -> tuple[bool, str]:
 def register(gpu: bool = False) -> None:
     """The ``vllm.general_plugins`` entry point: when :func:`selected` (``PAGED_OPS_VLLM=1``, or
     ``VLLM_PLUGINS`` naming ``paged_ops`` without ``PAGED_OPS_VLLM=0``), replace vLLM's CPU
-    attention backend (and, with gpu=True, its Triton backend) by this module's backend;
+    attention backend (and, with gpu=True, its Triton backend) by this module's backend and its
+    two CPU MLA backends by vllm_mla's;
     otherwise leave vLLM's backends alone. Idempotent, as vLLM may load plugins more than once per
     process. The log line comes when the first attention layer is built (:func:`_announce`): vLLM
     loads plugins in its front end before it configures its logging, where a line would be lost."""
@@ -276,9 +279,13 @@ def register(gpu: bool = False) -> None:
     if not on:
         return
     _why = why
-    for member, cls in [(AttentionBackendEnum.CPU_ATTN, "PagedOpsAttentionBackend"),
-                        *([(AttentionBackendEnum.TRITON_ATTN, "PagedOpsGPUAttentionBackend")] if gpu else [])]:
-        path = f"{__name__}.{cls}"
+    # MLA models (DeepSeek-V2/V3): vLLM's CPU platform picks AMX_MLA where the CPU has AMX tiles,
+    # else CPU_MLA; both go to paged_ops.integrations.vllm_mla (imported only when vLLM builds a layer).
+    for member, path in [(AttentionBackendEnum.CPU_ATTN, f"{__name__}.PagedOpsAttentionBackend"),
+                         (AttentionBackendEnum.CPU_MLA, f"{__package__}.vllm_mla.PagedOpsMLABackend"),
+                         (AttentionBackendEnum.AMX_MLA, f"{__package__}.vllm_mla.PagedOpsAMXMLABackend"),
+                         *([(AttentionBackendEnum.TRITON_ATTN, f"{__name__}.PagedOpsGPUAttentionBackend")]
+                           if gpu else [])]:
         if member.get_path() != path:
             register_backend(member, path)
             _replaced[member.name] = path
@@ -288,17 +295,19 @@ _replaced: dict[str, str] = {}  # vLLM backend name -> the class path registered
 _why = ""
 
 
-def _announce() -> None:
-    """One INFO line per process, through vLLM's logger, naming what replaced vLLM's backend."""
-    global _announced
-    if _announced:
+def _announce(kind: str = "ATTN") -> None:
+    """One INFO line per process and kind of layer ("ATTN", or "MLA" from vllm_mla), through
+    vLLM's logger, naming the backends of that kind that replaced vLLM's."""
+    if kind in _announced:
         return
-    _announced = True
-    if _replaced:
-        what = ", ".join(f"{name} -> {path}" for name, path in _replaced.items())
+    _announced.add(kind)
+    mine = {name: path for name, path in _replaced.items() if name.endswith("_MLA") == (kind == "MLA")}
+    if mine:
+        what = ", ".join(f"{name} -> {path}" for name, path in mine.items())
         _logger().info("paged_ops: %s (%s)", what, _why)
     else:  # the classes used without register(), e.g. by a test
-        _logger().info("paged_ops: attention layers built with %s.PagedOpsAttentionImpl", __name__)
+        impl = "vllm_mla.PagedOpsMLAImpl" if kind == "MLA" else "vllm.PagedOpsAttentionImpl"
+        _logger().info("paged_ops: attention layers built with %s.%s", __package__, impl)
 
 
 def _logger():
