@@ -96,23 +96,28 @@ class PagedOpsMLAMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
             seq_lens_cpu = m.seq_lens_cpu_upper_bound[first:m.num_reqs].to(torch.int64)
             q_lens_cpu = p.query_lens_cpu.to(torch.int64)
             p.paged_ops_seq_lens = m.seq_lens[first:m.num_reqs]
-            p.paged_ops_has_context = bool((seq_lens_cpu > q_lens_cpu).any())
-            if p.paged_ops_has_context:
-                bs = self.page_size
-                kv_starts = torch.cumsum(seq_lens_cpu, 0) - seq_lens_cpu
-                pos = torch.cat([torch.arange(int(n)) for n in seq_lens_cpu])
-                req = torch.repeat_interleave(torch.arange(len(seq_lens_cpu)), seq_lens_cpu)
-                bt = p.block_table.to(torch.int64)
-                # latent row (slot) of every gathered token: prefill request r's positions 0 .. seq_len - 1
-                p.paged_ops_slots = (bt[req.to(bt.device), (pos // bs).to(bt.device)] * bs + (pos % bs).to(bt.device))
-                width = int(seq_lens_cpu.max())
-                p.paged_ops_kv_table = (kv_starts[:, None] + torch.arange(width)[None, :]).to(torch.int32).to(bt.device)
-            else:
-                width = int(q_lens_cpu.max())
-                starts = torch.cumsum(q_lens_cpu, 0) - q_lens_cpu
-                p.paged_ops_kv_table = (starts[:, None] + torch.arange(width)[None, :]).to(torch.int32).to(
-                    p.block_table.device)
+            p.paged_ops_has_context, p.paged_ops_slots, p.paged_ops_kv_table = prefill_rows(
+                p.block_table, seq_lens_cpu, q_lens_cpu, self.page_size)
         return md
+
+
+def prefill_rows(block_table: torch.Tensor, seq_lens_cpu: torch.Tensor, q_lens_cpu: torch.Tensor, block_size: int):
+    """(has_context, slots, kv_table) of a step's prefill requests (block_table [P, max_blocks];
+    seq_lens_cpu, q_lens_cpu int64 [P] on the host). With context: slots int64 [sum seq_lens], the
+    latent row of every position 0 .. seq_len - 1 of each request in turn, and kv_table int32
+    [P, max seq_len], request r's rows in that gather. Without: slots None, kv_table request r's
+    rows among this step's rows (its query rows are its keys)."""
+    device = block_table.device
+    has_context = bool((seq_lens_cpu > q_lens_cpu).any())
+    lens = seq_lens_cpu if has_context else q_lens_cpu
+    starts = torch.cumsum(lens, 0) - lens
+    kv_table = (starts[:, None] + torch.arange(int(lens.max()))[None, :]).to(torch.int32).to(device)
+    if not has_context:
+        return False, None, kv_table
+    pos = torch.cat([torch.arange(int(n)) for n in seq_lens_cpu]).to(device)
+    req = torch.repeat_interleave(torch.arange(len(seq_lens_cpu)), seq_lens_cpu).to(device)
+    slots = block_table.to(torch.int64)[req, pos // block_size] * block_size + pos % block_size
+    return True, slots, kv_table
 
 
 class PagedOpsMLAImpl(CPUMLAImpl):
