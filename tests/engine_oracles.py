@@ -6,15 +6,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
-def _greedy_each(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy generate one prompt at a time, exactly max_tokens new tokens (no EOS stop)."""
+def _greedy_each(model, prompts: list[list[int]], max_tokens: int, new_cache=None) -> list[list[int]]:
+    """Greedy generate one prompt at a time, exactly max_tokens new tokens (no EOS stop).
+    new_cache: makes each prompt's transformers cache (default: generate's own)."""
     model.generation_config.eos_token_id = None
     outs = []
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
+            cache = {} if new_cache is None else {"cache": new_cache()}
             gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False)
+                                 min_new_tokens=max_tokens, do_sample=False, **cache)
             outs.append(gen[0, len(p):].tolist())
     return outs
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.engine_oracles import hf_model
+from tests.engine_oracles import _greedy_each, hf_model
 from tests.test_engine_e2e import GREEDY, MAX_TOKENS, PROMPTS, assert_all_free, run, tokens
 
 ARCHS = ("deepseek_v3", "deepseek_v2")
@@ -161,15 +161,7 @@ def hf_greedy_fp8_latents(model_dir: str, prompts, max_tokens: int, fp8: torch.d
             return super().update(rounded(latent), rounded(k_pe), layer_idx, *args, **kwargs)
 
     model = hf_model(model_dir)
-    model.generation_config.eos_token_id = None
-    outs = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p])
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                                 min_new_tokens=max_tokens, do_sample=False, cache=Fp8Latents(config=model.config))
-            outs.append(gen[0, len(p):].tolist())
-    return outs
+    return _greedy_each(model, prompts, max_tokens, lambda: Fp8Latents(config=model.config))
 
 
 @pytest.mark.parametrize("arch, kv_cache_dtype", [("deepseek_v3", "fp8"), ("deepseek_v2", "fp8_e5m2")])

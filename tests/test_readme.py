@@ -3,22 +3,22 @@ import pathlib
 import re
 
 
-def test_readme_example_runs():
+def run_python_block(containing: str) -> dict:
+    """Runs the README's first python block that contains the text; returns its variables."""
     text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    example = next(b for b in blocks if "torch.ops.paged.decode_attention" in b)
+    example = next(b for b in blocks if containing in b)
     namespace = {}
     exec(compile(example, "README.md", "exec"), namespace)
-    assert namespace["decode_out"].isfinite().all()
+    return namespace
+
+
+def test_readme_example_runs():
+    assert run_python_block("torch.ops.paged.decode_attention")["decode_out"].isfinite().all()
 
 
 def test_readme_cascade_example_runs():
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    example = next(b for b in blocks if "merge_attention_states" in b)
-    namespace = {}
-    exec(compile(example, "README.md", "exec"), namespace)
-    assert namespace["out"].isfinite().all()
+    assert run_python_block("merge_attention_states")["out"].isfinite().all()
 
 
 def test_readme_benchmark_command_runs(tmp_path):
@@ -48,11 +48,7 @@ def test_readme_mla_example_runs():
     from paged_ops import reference
     from paged_ops.testing import assert_close
 
-    text = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    example = next(b for b in blocks if "concat_and_cache_mla" in b)
-    ns = {}
-    exec(compile(example, "README.md", "exec"), ns)
+    ns = run_python_block("concat_and_cache_mla")
     want = torch.empty(ns["mla_out"].shape, dtype=torch.float64)
     cache = ns["latent_cache"]
     reference.decode_attention(want, ns["query"].double(), cache, cache[..., :ns["kv_lora_rank"]],
