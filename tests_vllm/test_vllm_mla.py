@@ -58,10 +58,12 @@ def scenarios(ours: bool) -> dict[str, dict]:
     s = {f"{k}-cpu_mla": spec(k, attention_backend="CPU_MLA") for k in KINDS}
     if ours:
         # Chunked prefill and prefix caching stay off (the default on CPU_MLA, not on AMX_MLA): vLLM
-        # 0.32's RoPE output for a position depends on how many tokens its step holds (the same
-        # prompt's k_pe at positions 2..11 differs between a 12-, a 64- and a 103-token step, with
-        # paged_ops' backend and before its ops are called), so a run whose steps are cut otherwise
-        # than the reference's is not comparable token for token, whatever the attention backend.
+        # 0.32's CPU rotary_embedding op, applied in place to the strided q[..., nope:] and k_pe
+        # slices (model_executor/layers/mla.py, MultiHeadLatentAttentionWrapper.forward), gives a
+        # position results that depend on the step's token count and on the strides (the same
+        # prompt's k_pe at positions 2..11 differs between a 12-, a 64- and a 103-token step,
+        # before paged_ops' ops are called), so a run whose steps are cut otherwise than the
+        # reference's is not comparable token for token, whatever the attention backend.
         for k in KINDS:
             s[f"{k}-default-block32"] = spec(k, block_size=32, enable_prefix_caching=False,
                                              enable_chunked_prefill=False, max_num_batched_tokens=2048)
