@@ -145,3 +145,16 @@ def test_vllm_kernels_benchmark_runs(tmp_path):
     else:
         for r in k["rows"]:
             assert r["rate_vllm"] > 0 and r["ratio"] > 0 and r["vllm_check_rel_err"] <= 1e-2, r
+
+
+def test_vllm_mla_benchmark_runs(tmp_path):
+    """bench.vllm_mla (issue #24 item 3): the absorbed MLA decode, our rows always (checked against the
+    float64 reference before timing); vLLM's where it imports, else the run says it does not."""
+    m = _run_bench_module("bench.vllm_mla", tmp_path, "--threads", "1")["vllm_mla"]
+    assert {r["block_size"] for r in m["rows"]} == {16, 64}
+    for r in m["rows"]:
+        assert r["gbps_paged_ops"] > 0 and r["paged_ops_check_rel_err"] <= 1e-2, r
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        assert m["vllm"].startswith("vllm not importable"), m["vllm"]
