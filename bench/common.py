@@ -235,6 +235,12 @@ def loadavg_text(load: Iterable[float]) -> str:
     return "/".join(f"{x:.1f}" for x in load)
 
 
+def copy_peak_text(peaks: dict) -> str:
+    """The run's copy peak and its measurements at the start and end, as the tables' headers say it."""
+    return (f"copy {peaks['copy_gbps']:.1f} GB/s (start {peaks.get('copy_gbps_start', float('nan')):.1f}, end "
+            f"{peaks.get('copy_gbps_end', float('nan')):.1f}; read + write)")
+
+
 def matmul_peak_tflops(n: int = 2048, rounds: int = 5) -> float:
     """bf16 torch.mm TFLOP/s (2 n^3 / fastest call) on the CPU, as bench/test_kernels.py's peak."""
     g = torch.Generator().manual_seed(0)

@@ -209,14 +209,12 @@ def table(result: dict) -> str:
 
 def header(result: dict) -> str:
     p = result["peaks"]
-    load = lambda t: "/".join(f"{x:.1f}" for x in t)  # noqa: E731
-    copy = (f"copy {p['copy_gbps']:.1f} GB/s (start {p.get('copy_gbps_start', float('nan')):.1f}, end "
-            f"{p.get('copy_gbps_end', float('nan')):.1f}; read + write)")
+    copy = common.copy_peak_text(p)
     return (f"{common.machine_id()}, {result['threads']} threads, commit {common.commit_tag()}, run "
             f"{common.run_stamp()}, torch {torch.__version__}, {result['vllm']}\n"
             f"peaks: {copy}, bf16 torch.mm {p['matmul_tflops']:.3g} TFLOP/s; share of peak: decode vs copy, "
-            f"prefill vs matmul\nload average (1/5/15 min) {load(result['loadavg_start'])} at the start, "
-            f"{load(result['loadavg_end'])} at the end")
+            f"prefill vs matmul\nload average (1/5/15 min) {common.loadavg_text(result['loadavg_start'])} at the start, "
+            f"{common.loadavg_text(result['loadavg_end'])} at the end")
 
 
 def main(argv=None) -> dict:

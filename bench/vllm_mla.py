@@ -314,8 +314,7 @@ def table(result: dict) -> str:
 
 def header(result: dict) -> str:
     p = result["peaks"]
-    copy = (f"copy {p['copy_gbps']:.1f} GB/s (start {p.get('copy_gbps_start', float('nan')):.1f}, end "
-            f"{p.get('copy_gbps_end', float('nan')):.1f}; read + write)")
+    copy = common.copy_peak_text(p)
     return (f"{common.machine_id()}, {result['threads']} threads, cpu ISA {common.cpu_isa()}, commit "
             f"{common.commit_tag()}, run {common.run_stamp()}, torch {torch.__version__}, {result['vllm']}\n"
             f"peak: {copy}; GB/s = latent cache bytes read / fastest call\n"

@@ -19,16 +19,13 @@ Run by ``make test-vllm`` in build/venv-vllm, never by the main ``make test``.
 """
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import types
 
 import pytest
 
 from tests_vllm.make_models import MLA_KINDS, make_mla
-from tests_vllm.test_vllm_plugin import max_logprob_diff, prompts
+from tests_vllm.test_vllm_plugin import max_logprob_diff, prompts, run_llm_process
 
 pytest.importorskip("vllm", reason="make test-vllm runs these in the venv that has vLLM")
 
@@ -73,19 +70,12 @@ def scenarios(ours: bool) -> dict[str, dict]:
 
 
 def run_vllm(plugins: str | None, specs: list[dict]) -> dict:
-    base = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGED_OPS_VLLM")}
-    env = base | dict(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if plugins is not None:
-        env["VLLM_PLUGINS"] = plugins
-    proc = subprocess.run([sys.executable, "-m", "tests_vllm.run_llm", json.dumps(specs)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, \
-        f"vLLM run failed (VLLM_PLUGINS={plugins}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    out = proc.stdout + proc.stderr
-    log = [ln for ln in out.splitlines() if ("paged_ops" in ln or "backend." in ln) and not ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) | {"log": log}
+    """run_llm_process's result plus "log": the lines of stdout and stderr that name paged_ops or a
+    backend (which MLA backend vLLM picked)."""
+    result, stdout, stderr = run_llm_process(plugins, specs)
+    log = [ln for ln in (stdout + stderr).splitlines()
+           if ("paged_ops" in ln or "backend." in ln) and not ln.startswith("RESULT ")]
+    return result | {"log": log}
 
 
 @pytest.fixture(scope="module")

@@ -121,9 +121,9 @@ OURS_ONLY = {
 }
 
 
-def run_vllm(plugins: str | None, specs: list[dict], **env) -> dict:
-    """Run the specs in one vLLM process; plugins None: VLLM_PLUGINS unset. Returns run_llm's
-    result plus "log": vLLM's log lines that mention paged_ops (vLLM logs to stdout)."""
+def run_llm_process(plugins: str | None, specs: list[dict], **env) -> tuple[dict, str, str]:
+    """Run the specs in one vLLM process (tests_vllm.run_llm); plugins None: VLLM_PLUGINS unset.
+    Returns run_llm's result, the process's stdout and its stderr."""
     base = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PAGED_OPS_VLLM")}
     env = base | dict(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                       PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")) | env
@@ -134,8 +134,15 @@ def run_vllm(plugins: str | None, specs: list[dict], **env) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, \
         f"vLLM run failed (VLLM_PLUGINS={plugins}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    log = [ln for ln in proc.stdout.splitlines() if "paged_ops" in ln and not ln.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) | {"log": log}
+    return json.loads(lines[-1][len("RESULT "):]), proc.stdout, proc.stderr
+
+
+def run_vllm(plugins: str | None, specs: list[dict], **env) -> dict:
+    """run_llm_process's result plus "log": vLLM's log lines that mention paged_ops (vLLM logs to
+    stdout)."""
+    result, stdout, _ = run_llm_process(plugins, specs, **env)
+    log = [ln for ln in stdout.splitlines() if "paged_ops" in ln and not ln.startswith("RESULT ")]
+    return result | {"log": log}
 
 
 @pytest.fixture(scope="module")
