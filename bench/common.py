@@ -235,6 +235,34 @@ def loadavg_text(load: Iterable[float]) -> str:
     return "/".join(f"{x:.1f}" for x in load)
 
 
+def load_line(result: dict) -> str:
+    """The load averages a result recorded at its start and end, as the tables' headers say them."""
+    return (f"load average (1/5/15 min) {loadavg_text(result['loadavg_start'])} at the start, "
+            f"{loadavg_text(result['loadavg_end'])} at the end")
+
+
+def comparison_cli(argv, doc: str, section: str, measure_full, measure_smoke, header, table) -> dict:
+    """The command line of a same-run comparison (bench.vllm_kernels, bench.vllm_mla): --threads,
+    --smoke (tiny shapes, for the smoke tests), --save (this run's results file, section `section`);
+    prints header(result) and table(result), returns the result."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (the smoke tests)")
+    parser.add_argument("--save", action="store_true", help=f"write the section '{section}' of this run's results file")
+    cli = parser.parse_args(argv)
+    torch.set_num_threads(cli.threads)
+    result = measure_smoke() if cli.smoke else measure_full()
+    print(header(result))
+    print(table(result))
+    if cli.save:
+        print("written:", save_section(section, result))
+    return result
+
+
 def copy_peak_text(peaks: dict) -> str:
     """The run's copy peak and its measurements at the start and end, as the tables' headers say it."""
     return (f"copy {peaks['copy_gbps']:.1f} GB/s (start {peaks.get('copy_gbps_start', float('nan')):.1f}, end "

@@ -24,7 +24,6 @@ interleaved round by round, fastest round each.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 
@@ -213,27 +212,15 @@ def header(result: dict) -> str:
     return (f"{common.machine_id()}, {result['threads']} threads, commit {common.commit_tag()}, run "
             f"{common.run_stamp()}, torch {torch.__version__}, {result['vllm']}\n"
             f"peaks: {copy}, bf16 torch.mm {p['matmul_tflops']:.3g} TFLOP/s; share of peak: decode vs copy, "
-            f"prefill vs matmul\nload average (1/5/15 min) {common.loadavg_text(result['loadavg_start'])} at the start, "
-            f"{common.loadavg_text(result['loadavg_end'])} at the end")
+            f"prefill vs matmul\n" + common.load_line(result))
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads (issue #14: 2)")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (tests/test_bench_smoke.py)")
-    parser.add_argument("--save", action="store_true", help="write the section 'vllm_kernels' of this run's results file")
-    cli = parser.parse_args(argv)
-    torch.set_num_threads(cli.threads)
-    if cli.smoke:
-        result = measure(SMOKE_SHAPES, target_s=0.05, peaks={"copy_gbps": common.copy_peak_gbps(16 << 20, 2),
-                                                              "matmul_tflops": common.matmul_peak_tflops(256, 2)})
-    else:
-        result = measure(SHAPES)
-    print(header(result))
-    print(table(result))
-    if cli.save:
-        print("written:", common.save_section("vllm_kernels", result))
-    return result
+    return common.comparison_cli(
+        argv, __doc__, "vllm_kernels", lambda: measure(SHAPES),
+        lambda: measure(SMOKE_SHAPES, target_s=0.05, peaks={"copy_gbps": common.copy_peak_gbps(16 << 20, 2),
+                                                            "matmul_tflops": common.matmul_peak_tflops(256, 2)}),
+        header, table)
 
 
 if __name__ == "__main__":

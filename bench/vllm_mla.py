@@ -30,7 +30,6 @@ each (bench.common.interleaved_best).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 from dataclasses import asdict, dataclass
@@ -317,27 +316,14 @@ def header(result: dict) -> str:
     copy = common.copy_peak_text(p)
     return (f"{common.machine_id()}, {result['threads']} threads, cpu ISA {common.cpu_isa()}, commit "
             f"{common.commit_tag()}, run {common.run_stamp()}, torch {torch.__version__}, {result['vllm']}\n"
-            f"peak: {copy}; GB/s = latent cache bytes read / fastest call\n"
-            f"load average (1/5/15 min) {common.loadavg_text(result['loadavg_start'])} at the start, "
-            f"{common.loadavg_text(result['loadavg_end'])} at the end")
+            f"peak: {copy}; GB/s = latent cache bytes read / fastest call\n" + common.load_line(result))
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2, help="torch / OpenMP threads")
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes (bench/test_vllm_mla.py)")
-    parser.add_argument("--save", action="store_true", help="write the section 'vllm_mla' of this run's results file")
-    cli = parser.parse_args(argv)
-    torch.set_num_threads(cli.threads)
-    if cli.smoke:
-        result = measure(SMOKE_SHAPES, target_s=0.05, peaks={"copy_gbps": common.copy_peak_gbps(16 << 20, 2)})
-    else:
-        result = measure(SHAPES)
-    print(header(result))
-    print(table(result))
-    if cli.save:
-        print("written:", common.save_section("vllm_mla", result))
-    return result
+    return common.comparison_cli(
+        argv, __doc__, "vllm_mla", lambda: measure(SHAPES),
+        lambda: measure(SMOKE_SHAPES, target_s=0.05, peaks={"copy_gbps": common.copy_peak_gbps(16 << 20, 2)}),
+        header, table)
 
 
 if __name__ == "__main__":
