@@ -268,9 +268,9 @@ def mla_attention(meta: AttentionMetadata, layer: int, q_nope: torch.Tensor, q_p
     if fp8_scale is not None:
         rows = (rows.float() * fp8_scale).to(q_nope.dtype)
     nb, block_size, nope, rope = rows.shape[0], rows.shape[1], q_nope.shape[2], k_pe.shape[1]
-    kv = mla.kv_b_proj(rows[:, :, 0, :rank]).view(nb, block_size, H, -1)  # [nb, bs, H, nope + v_head]
-    keys = torch.cat([kv[..., :nope], rows[..., rank:].expand(nb, block_size, H, rope)], dim=-1)
-    values = kv[..., nope:].contiguous()  # [nb, bs, H, v_head]
+    up = mla.kv_b_proj(rows[:, :, 0, :rank]).view(nb, block_size, H, -1)  # [nb, bs, H, nope + v_head]
+    keys = torch.cat([up[..., :nope], rows[..., rank:].expand(nb, block_size, H, rope)], dim=-1)
+    values = up[..., nope:]  # [nb, bs, H, v_head]: a strided view (the ops need only the last dim contiguous)
     query = torch.cat([q_nope, q_pe], dim=-1)  # [T, H, nope + rope]
     out = query.new_empty(T, H, values.shape[-1])
     paged.prefill_attention(out, query, keys, values, tables, meta.cu_seqlens_q, meta.seq_lens, meta.max_seqlen_q,
