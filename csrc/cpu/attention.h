@@ -916,10 +916,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
   // Prefetched bytes per token and head. Value rows inside the key rows (the absorbed latent:
   // value_cache = key_cache[..., :Dv], the same strides) come with the keys' lines.
   const int64_t k_row_bytes = int64_t(sh.Dk) * sizeof(CT);
-  const bool values_in_keys = p.value_cache == p.key_cache && p.v_stride_block == p.k_stride_block &&
-                              p.v_stride_token == p.k_stride_token && p.v_stride_head == p.k_stride_head &&
-                              sh.Dv <= sh.Dk;
-  const int64_t v_row_bytes = values_in_keys ? 0 : int64_t(sh.Dv) * sizeof(CT);
+  const int64_t v_row_bytes = values_in_key_rows(p) ? 0 : int64_t(sh.Dv) * sizeof(CT);
 
   // Chunks: the whole range, or (batch-invariant mode) its pieces between absolute multiples of
   // chunk_tokens. Each is one online softmax, then folded into the rows' outputs.

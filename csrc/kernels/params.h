@@ -72,6 +72,15 @@ struct AttentionParams {
   bool batch_invariant;        // bitwise independent of the rest of the batch and of the plan
 };
 
+// value_cache is key_cache's first value_head_size columns: the same base and strides (absorbed MLA:
+// value_cache = key_cache[..., :Dv]). A kernel may then take each V row from the K row it already
+// loaded instead of reading the latent a second time.
+inline bool values_in_key_rows(const AttentionParams& p) {
+  return p.value_cache == p.key_cache && p.v_stride_block == p.k_stride_block &&
+         p.v_stride_token == p.k_stride_token && p.v_stride_head == p.k_stride_head &&
+         p.value_head_size <= p.head_size;
+}
+
 struct ReshapeCacheParams {
   const void* key;    // [num_tokens, num_kv_heads, head_size]
   const void* value;

@@ -62,14 +62,8 @@ inline WideChunks decode_wide_chunks() { return WideChunks{1, 3, 3}; }
 // registers on sm_80 / sm_90, no spills).
 PAGED_HOST_DEVICE constexpr int decode_wide_rows_per_step(int cache_bytes) { return cache_bytes == 4 ? 2 : 4; }
 
-// V read from the staged K rows: value_cache is key_cache's first Dv columns, same base and strides
-// (absorbed MLA: value_cache = key_cache[..., :Dv]), so each latent row is copied to shared memory
-// once for both products and the block reads it from memory once.
-inline bool values_in_key_rows(const AttentionParams& p) {
-  return p.value_cache == p.key_cache && p.v_stride_block == p.k_stride_block &&
-         p.v_stride_token == p.k_stride_token && p.v_stride_head == p.k_stride_head &&
-         p.value_head_size <= p.head_size;
-}
+// V read from the staged K rows where values_in_key_rows(p) (kernels/params.h): each latent row is
+// copied to shared memory once for both products and the block reads it from memory once.
 
 // Shape of a decode_kernel launch (plain data, passed to the kernel by value).
 struct DecodeShape {
