@@ -95,7 +95,9 @@ inline void amx_configure(int tail, bool any_tail = false) {
   if (t_amx_loaded.epoch == epoch && (any_tail || t_amx_loaded.tail == tail)) return;
   AmxTileConfig config;
   for (int t : {PAGED_AMX_C0, PAGED_AMX_C1, PAGED_AMX_A, PAGED_AMX_B0, PAGED_AMX_B1}) config.set(t, 16, 64);
-  if (tail > 0) {
+  if (tail == 0) {  // no tail: all 8 tiles 16 x 64 bytes, as amx_qk_heads blocks them
+    for (int t : {PAGED_AMX_AT, PAGED_AMX_BT0, PAGED_AMX_BT1}) config.set(t, 16, 64);
+  } else {
     config.set(PAGED_AMX_AT, 16, tail * 4);
     config.set(PAGED_AMX_BT0, tail, 64);
     config.set(PAGED_AMX_BT1, tail, 64);
@@ -142,6 +144,60 @@ inline int64_t amx_qk_rows(int64_t rows, const uint32_t* qb, int DP, const uint3
   const __m512 m = _mm512_set1_ps(scale);
   for (int64_t i = 0; i < tiled * kAmxTileTokens; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), m));
   return tiled;
+}
+
+// Decode's QK with the heads as columns (attention.h's heads path, where every row of the task sees
+// the same keys): S^T = K Q^T, st[j][r] = q[r] . k[j] unscaled, for n tokens (16 or 32) and `rows`
+// query rows (a multiple of 16). A is 16 key rows read straight from the cache (or a gathered
+// copy): keys[h] the first row of tokens 16h..16h+15, key_stride bytes between rows; B is Q^T in
+// pairs, qt [rows / 16][DP][16 rows] (DP a multiple of 16: no tail); C is [16 tokens][16 rows].
+// Why: the key rows are the A operand as they lie, so the tile needs no re-layout of K at all (the
+// rows path transposes every tile's keys), and Q^T is laid out once per task. Blocking 2 x 2 (two
+// token halves x two row blocks: 4 C, 2 A, 2 B, all 8 tiles of the tail-0 configuration): each
+// step loads 4 tiles for 4 products. st: [32][rows] fp32.
+#define PAGED_AMX_S00 0
+#define PAGED_AMX_S01 1
+#define PAGED_AMX_S10 5
+#define PAGED_AMX_S11 6
+#define PAGED_AMX_K0 2
+#define PAGED_AMX_K1 7
+#define PAGED_AMX_Q0 3
+#define PAGED_AMX_Q1 4
+inline void amx_qk_heads(int64_t rows, const uint32_t* qt, int DP, const void* const keys[2], const int64_t key_stride[2],
+                         int n, float* st) {
+  amx_configure(0);
+  amx_memory_barrier();
+  const bool two = n > 16;  // the second token half
+  const int64_t st_stride = rows * 4;
+  auto key_step = [&](int half, int step) { return static_cast<const char*>(keys[half]) + int64_t(step) * 64; };
+  for (int64_t r = 0; r < rows; r += 32) {
+    const bool pair = r + 16 < rows;  // a second row block
+    const uint32_t* q0 = qt + size_t(r) * DP;
+    const uint32_t* q1 = q0 + size_t(16) * DP;
+    PAGED_AMX_ZERO(PAGED_AMX_S00);
+    if (pair) PAGED_AMX_ZERO(PAGED_AMX_S01);
+    if (two) PAGED_AMX_ZERO(PAGED_AMX_S10);
+    if (two && pair) PAGED_AMX_ZERO(PAGED_AMX_S11);
+    for (int step = 0; step < DP / 16; ++step) {
+      PAGED_AMX_LOAD(PAGED_AMX_K0, key_step(0, step), key_stride[0]);
+      PAGED_AMX_LOAD(PAGED_AMX_Q0, q0 + step * 256, 64);
+      PAGED_AMX_DOT(PAGED_AMX_S00, PAGED_AMX_K0, PAGED_AMX_Q0);
+      if (pair) {
+        PAGED_AMX_LOAD(PAGED_AMX_Q1, q1 + step * 256, 64);
+        PAGED_AMX_DOT(PAGED_AMX_S01, PAGED_AMX_K0, PAGED_AMX_Q1);
+      }
+      if (two) {
+        PAGED_AMX_LOAD(PAGED_AMX_K1, key_step(1, step), key_stride[1]);
+        PAGED_AMX_DOT(PAGED_AMX_S10, PAGED_AMX_K1, PAGED_AMX_Q0);
+        if (pair) PAGED_AMX_DOT(PAGED_AMX_S11, PAGED_AMX_K1, PAGED_AMX_Q1);
+      }
+    }
+    float* out = st + r;
+    PAGED_AMX_STORE(PAGED_AMX_S00, out, st_stride);
+    if (pair) PAGED_AMX_STORE(PAGED_AMX_S01, out + 16, st_stride);
+    if (two) PAGED_AMX_STORE(PAGED_AMX_S10, out + 16 * rows, st_stride);
+    if (two && pair) PAGED_AMX_STORE(PAGED_AMX_S11, out + 16 * rows + 16, st_stride);
+  }
 }
 
 // acc32[r][c] += sum_j p[r][j] v[j][c] for the first rows / 16 * 16 rows over the whole tile;

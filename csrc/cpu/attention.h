@@ -87,6 +87,9 @@ struct Scratch {
   std::vector<double> fold_m, fold_w, fold_acc;  // the rows' folded chunks (fold_part)
   std::vector<int64_t> first_visible, last_visible, position;
   std::vector<uint32_t> qb, kt, vp, pb;  // the bf16 dot-product path's layouts (bf16_dot.h)
+  std::vector<uint32_t> qt;              // the heads path's Q^T (amx_qk_heads)
+  std::vector<float> st;                 // and its scores, [kTileTokens][rows]
+  std::vector<uint16_t> kg;              // and its gathered key rows (gather_key_halves)
   std::vector<float> acc32;              // and its fp32 PV sums between flushes
   std::vector<double> acc_scale;         // the corrections acc still owes at the next flush
   std::vector<uint16_t> kw;              // fp8 caches: a tile's K or V rows widened to bf16
@@ -125,6 +128,11 @@ struct Scratch {
     acc32.resize(size_t(rows) * heads * dv32);
     acc_scale.resize(size_t(rows) * heads);
     kw.resize(size_t(kTileTokens) * std::max(dk, dv));  // K's rows and V's, widened in turn
+  }
+  void resize_heads(int64_t rows, int64_t heads, int dk) {
+    qt.resize(size_t(rows) * heads * dk / 2);
+    st.resize(size_t(kTileTokens) * rows);
+    kg.resize(size_t(kTileTokens) * dk);
   }
 };
 
@@ -320,6 +328,16 @@ struct Prefetch {
     keys(j, count);
     values(j, count);
   }
+  // Line `line` (64 bytes) of the next tile's token i: of its key row, and of its value row, where
+  // the row is that long (bf16_dot.h's dot_qk_heads issues one per column pair it computes).
+  __attribute__((always_inline)) void token_line(int i, int line) const {
+    if (i >= n) return;
+    const int64_t b = int64_t(line) * 64;
+    // The builtin, not prefetch()'s asm: the asm's memory operand made GCC keep the caller's
+    // accumulators in memory around it.
+    if (b < k_row_bytes) __builtin_prefetch(reinterpret_cast<const char*>(k[i] + k_offset) + b, 0, 2);
+    if (b < v_row_bytes) __builtin_prefetch(reinterpret_cast<const char*>(v[i] + v_offset) + b, 0, 2);
+  }
   // The keys / the values of the same rows alone (decode_dot.h spreads them over QK and PV).
   __attribute__((always_inline)) void keys(int j, int count) const { lines(k, k_offset, k_row_bytes, j, count); }
   __attribute__((always_inline)) void values(int j, int count) const { lines(v, v_offset, v_row_bytes, j, count); }
@@ -473,6 +491,11 @@ struct TaskShape {
   // the bf16 dot products on the query as it is (w.qb): dot (re-laid tiles, bf16_dot.h) or
   // small_dot (rows as they lie, decode_dot.h).
   bool query_as_is, dot, small_dot;
+  // The dot path with the rows as the vectors' lanes (decode): every row sees the same keys, so
+  // QK is S^T = K Q^T on the key rows as they lie (dot_qk_heads; amx_qk_heads on tiles) and the
+  // softmax runs across rows, 16 at a time (softmax_tile_heads); PV is the dot path's. Rows a
+  // multiple of 16 (and on tiles Dk of 32).
+  bool heads_path;
   int dot_dv;  // the dot path's accumulator row: Dv rounded up to 32
 };
 
@@ -532,6 +555,11 @@ inline TaskShape plan_rows(const AttentionParams& p, const Task& t, Scratch& w) 
   sh.direct = !sh.split && t.chunk_tokens == 0 && sh.begin < sh.end;
   sh.dot_dv = (sh.Dv + 31) / 32 * 32;
   choose_kernels<QT, CT>(p, sh);
+#if defined(PAGED_CPU_AMX)
+  sh.heads_path = sh.dot && tokens == 1 && sh.rows % 16 == 0 && sh.Dk % 32 == 0;
+#elif defined(__AVX512BF16__)
+  sh.heads_path = sh.dot && tokens == 1 && sh.rows % 16 == 0;
+#endif
   w.resize(sh.rows, sh.heads, sh.Dk, sh.Dv, !sh.query_as_is, !sh.direct);
   return sh;
 }
@@ -575,6 +603,24 @@ inline void load_queries(const AttentionParams& p, const Task& t, const TaskShap
   if (sh.dot) {
     std::fill(w.acc32.begin(), w.acc32.begin() + size_t(rows) * heads * sh.dot_dv, 0.f);
     std::fill(w.acc_scale.begin(), w.acc_scale.begin() + rows * heads, 1.0);
+  }
+#endif
+#if defined(__AVX512BF16__)
+  if (sh.heads_path) {  // qt[hl][row block][dp][16 rows] = qb[hl][row][dp]: 16 x 16 words at a time
+    w.resize_heads(rows, heads, sh.Dk);
+    const int DP = D / 2;  // D a multiple of 8: the last block has 4, 8, 12 or 16 pairs
+    for (int64_t hl = 0; hl < heads; ++hl)
+      for (int64_t r0 = 0; r0 < rows; r0 += 16)
+        for (int dp0 = 0; dp0 < DP; dp0 += 16) {
+          const int cols = std::min(16, DP - dp0);
+          const __mmask16 mask = __mmask16((1u << cols) - 1);
+          __m512i x[16];
+          for (int i = 0; i < 16; ++i)
+            x[i] = _mm512_maskz_loadu_epi32(mask, &w.qb[(size_t(hl) * rows + r0 + i) * DP + dp0]);
+          transpose16(x);
+          for (int c = 0; c < cols; ++c)
+            _mm512_storeu_si512(&w.qt[(size_t(hl) * rows + r0) * DP + (dp0 + c) * 16], x[c]);
+        }
   }
 #endif
 }
@@ -640,6 +686,36 @@ inline const typename CacheRead<CT>::Finite* const* as_finite(const typename Cac
   }
 }
 
+#if defined(PAGED_CPU_AMX)
+// The heads path's A operands (amx_qk_heads): the first key row of each 16-token half of the tile
+// (n tokens, bf16 rows of D) and the bytes between its rows. The rows as they lie where the half
+// is 16 evenly spaced rows (16 tokens in one block); else (block sizes below 16, the tile's end,
+// rows the first tile aliases) a copy in buf, rows past n zero.
+inline void key_halves(const uint16_t* const* k, int n, int D, uint16_t* buf, const void* keys[2],
+                       int64_t key_stride[2]) {
+  for (int half = 0; half < 2 && 16 * half < n; ++half) {
+    const int j0 = 16 * half;
+    const uint16_t* const* rows = k + j0;
+    const auto at = [&](int i) { return int64_t(reinterpret_cast<uintptr_t>(rows[i])); };
+    bool even = j0 + 16 <= n;
+    const int64_t step = even ? at(1) - at(0) : 0;
+    for (int i = 2; even && i < 16; ++i) even = at(i) - at(i - 1) == step;
+    if (even) {
+      keys[half] = rows[0], key_stride[half] = step;
+      continue;
+    }
+    uint16_t* copy = buf + size_t(j0) * D;
+    for (int i = 0; i < 16; ++i) {
+      if (j0 + i < n)
+        std::memcpy(copy + size_t(i) * D, rows[i], size_t(D) * 2);
+      else
+        std::memset(copy + size_t(i) * D, 0, size_t(D) * 2);
+    }
+    keys[half] = copy, key_stride[half] = int64_t(D) * 2;
+  }
+}
+#endif
+
 // Stage: score_tile (QK). w.s[r][j] = the scaled score of row r and token j of the tile, for the
 // rows of KV head h (local index hl), by the task's micro-kernels; next: the next tile's prefetches.
 template <typename QT, typename CT, typename P>
@@ -654,6 +730,21 @@ __attribute__((always_inline)) inline void score_tile(const AttentionParams& p, 
 #if defined(__AVX512BF16__)
   // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
   const float q_mul = p.scale * k_scale_of(p, t.seq, h) * CacheRead<CT>::kUnit;
+  if (sh.heads_path) {  // w.st, unscaled: softmax_tile_heads scales it
+    const uint16_t* widened[kTileTokens];
+    const uint16_t* const* k = dot_rows<CT>(k_rows, n, D, w.kw.data(), widened);
+    const uint32_t* qt = &w.qt[size_t(hl) * rows * D / 2];
+#if defined(PAGED_CPU_AMX)
+    next.rows(0, n);
+    const void* keys[2];
+    int64_t key_stride[2];
+    key_halves(k, n, D, w.kg.data(), keys, key_stride);
+    amx_qk_heads(rows, qt, D / 2, keys, key_stride, n, w.st.data());
+#else
+    dot_qk_heads(rows, qt, D / 2, k, n, w.st.data(), next);
+#endif
+    return;
+  }
   if (sh.dot) {
     const uint16_t* widened[kTileTokens];  // fp8 caches: the rows widened to bf16 (in w.kw)
     transpose_keys(dot_rows<CT>(k_rows, n, D, w.kw.data(), widened), n, D, w.kt.data(), next);
@@ -732,12 +823,105 @@ __attribute__((always_inline)) inline float online_softmax_update(float* s, floa
   return correction;
 }
 
+#if defined(__AVX512BF16__)
+// Stage: softmax_tile_heads, the heads path's softmax_tile on w.st ([token][row]): the same
+// variants and online softmax (apply_variants, online_softmax_update) on 16 rows at once, lane r
+// for row r, since the rows share their keys (one mask for all) and the tile's max and sum run
+// down the tokens, no horizontal reduction. scale: score_tile's q_mul. Then the probabilities as
+// PV's A operand, w.pb [rows][16 token pairs] (pack_bf16's rounding and pairs).
+inline void softmax_tile_heads(const AttentionParams& p, const TaskShape& sh, Scratch& w, int64_t hl, int64_t h,
+                               int64_t j0, int n, float scale) {
+  const int64_t rows = sh.rows;
+  const int first = int(std::clamp<int64_t>(w.first_visible[0] - j0, 0, n));
+  const int last = int(std::clamp<int64_t>(w.last_visible[0] - j0 + 1, 0, n));
+  const int64_t distance = j0 - w.position[0];  // ALiBi's, as apply_variants
+  float* st = w.st.data();
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  alignas(64) static const uint16_t pair_index[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i pairs = _mm512_load_si512(pair_index);
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const __m512 slope = p.alibi_slopes ? _mm512_loadu_ps(p.alibi_slopes + h * sh.group + r0) : zero;
+    __m512 tile_max = neg_inf;
+    __mmask16 nan = 0;
+    for (int j = first; j < last; ++j) {
+      Vec16 x{_mm512_mul_ps(_mm512_loadu_ps(st + j * rows + r0), _mm512_set1_ps(scale))};
+      if (p.softcap > 0.f) x = Vec16::softcap(x, p.softcap);
+      if (p.alibi_slopes != nullptr) x.v = _mm512_add_ps(x.v, _mm512_mul_ps(slope, _mm512_set1_ps(float(distance + j))));
+      x.store(st + j * rows + r0);
+      tile_max = _mm512_max_ps(x.v, tile_max);  // drops a NaN score: the mask below keeps it
+      nan |= _mm512_cmp_ps_mask(x.v, x.v, _CMP_UNORD_Q);
+    }
+    // online_softmax_update's cases per lane: a NaN score makes the row NaN; a tile of -inf
+    // scores leaves the row alone; else the max is std::max(m, tile_max) (a NaN m stays: max_ps
+    // passes its second operand's NaN) and the correction exp(m - m_new) where the max moved.
+    float* m = &w.m[hl * rows + r0];
+    const __m512 m_old = _mm512_loadu_ps(m);
+    const __mmask16 take = _mm512_cmp_ps_mask(tile_max, neg_inf, _CMP_NEQ_OQ) | nan;
+    __m512 m_new = _mm512_mask_mov_ps(_mm512_max_ps(tile_max, m_old), nan,
+                                      _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+    m_new = _mm512_mask_mov_ps(m_old, take, m_new);
+    const __mmask16 moved = take & _mm512_cmp_ps_mask(m_new, m_old, _CMP_NEQ_UQ);
+    const __m512 correction = _mm512_mask_mov_ps(one, moved, Vec16::exp({_mm512_sub_ps(m_old, m_new)}).v);
+    __m512 sum = zero;
+    for (int j = 0; j < kTileTokens; ++j) {
+      float* s = st + j * rows + r0;
+      if (j < first || j >= last) {
+        _mm512_storeu_ps(s, zero);
+        continue;
+      }
+      const __m512 e = _mm512_maskz_mov_ps(take, Vec16::exp({_mm512_sub_ps(_mm512_loadu_ps(s), m_new)}).v);
+      _mm512_storeu_ps(s, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    double* l = &w.l[hl * rows + r0];
+    for (int i = 0; i < 2; ++i) {  // l = l * correction + sum, in fp64 (1 and 0 where the row took nothing)
+      const __m512d c = _mm512_cvtps_pd(i == 0 ? _mm512_castps512_ps256(correction)
+                                               : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(correction), 1)));
+      const __m512d t = _mm512_cvtps_pd(i == 0 ? _mm512_castps512_ps256(sum)
+                                               : _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(sum), 1)));
+      _mm512_storeu_pd(l + 8 * i, _mm512_add_pd(_mm512_mul_pd(_mm512_loadu_pd(l + 8 * i), c), t));
+    }
+    _mm512_storeu_ps(m, m_new);
+    if (moved) {
+      alignas(64) float factor[16];
+      _mm512_store_ps(factor, correction);
+      for (int i = 0; i < 16; ++i) {
+        if (!((moved >> i) & 1)) continue;
+        const int64_t row = hl * rows + r0 + i;
+        float* a = &w.acc32[size_t(row) * sh.dot_dv];
+        for (int d = 0; d < sh.Dv; ++d) a[d] *= factor[i];
+        w.acc_scale[row] *= factor[i];
+      }
+    }
+    // pb: row r's probabilities of tokens (2k, 2k + 1) in word k: token pairs of 16 rows as words
+    // (cvtne2ps's halves interleaved), transposed to rows.
+    __m512i x[16];
+    for (int k = 0; k < kTileTokens / 2; ++k) {
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(st + (2 * k + 1) * rows + r0),
+                                                _mm512_loadu_ps(st + 2 * k * rows + r0));
+      x[k] = _mm512_permutexvar_epi16(pairs, (__m512i)both);
+    }
+    transpose16(x);
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(&w.pb[size_t(r0 + i) * (kTileTokens / 2)], x[i]);
+  }
+}
+#endif
+
 // Stage: softmax_tile. The rows of KV head h (local hl) over the tile at j0 of n tokens: each
 // row's variants and online softmax (w.s becomes the probabilities; 0 where a row sees nothing),
 // and its accumulator rescaled by the factor: acc, or on the dot path acc32 now and acc (fp64,
 // rows too large to rescale often) at the next flush (acc_scale).
-__attribute__((always_inline)) inline void softmax_tile(const AttentionParams& p, const TaskShape& sh, Scratch& w,
-                                                        int64_t hl, int64_t h, int64_t j0, int n) {
+template <typename CT>
+__attribute__((always_inline)) inline void softmax_tile(const AttentionParams& p, const Task& t, const TaskShape& sh,
+                                                        Scratch& w, int64_t hl, int64_t h, int64_t j0, int n) {
+#if defined(__AVX512BF16__)
+  if (sh.heads_path)
+    return softmax_tile_heads(p, sh, w, hl, h, j0, n, p.scale * k_scale_of(p, t.seq, h) * CacheRead<CT>::kUnit);
+#else
+  (void)t;
+#endif
   const int D = sh.Dv;  // accumulator rows
   const int64_t rows = sh.rows, group = sh.group;
   double* acc = &w.acc[size_t(hl) * rows * D];
@@ -809,7 +993,12 @@ __attribute__((always_inline)) inline void accumulate_pv(const TaskShape& sh, Sc
   if (sh.dot) {
     const uint16_t* widened[kTileTokens];
     interleave_values(dot_rows<CT>(v_rows, n, D, w.kw.data(), widened), n, D, w.vp.data(), sh.dot_dv);
-    pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
+    if (!sh.heads_path) {
+      pack_bf16(w.s.data(), int(rows * kTileTokens), w.pb.data());
+    } else if (nf.count > 0) {  // add_nonfinite_values reads the probabilities as [row][token]
+      for (int64_t r = 0; r < rows; ++r)
+        for (int j = 0; j < kTileTokens; ++j) w.s[size_t(r) * kTileTokens + j] = w.st[size_t(j) * rows + r];
+    }
     float* acc32 = &w.acc32[size_t(hl) * rows * sh.dot_dv];
     dot_pv_rows(rows, acc32, w.pb.data(), w.vp.data(), sh.dot_dv);
     if (nf.count > 0)  // before the flush: acc32 holds this tile's sums
@@ -955,7 +1144,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         const Prefetch<CT> next{tiles.k_tokens[slot ^ 1], tiles.v_tokens[slot ^ 1], next_n, k_row_bytes, v_row_bytes,
                                 (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
         score_tile<QT, CT>(p, t, sh, w, hl, h, k_rows, n, next);
-        softmax_tile(p, sh, w, hl, h, j0, n);
+        softmax_tile<CT>(p, t, sh, w, hl, h, j0, n);
         NonfiniteValues nf;
         if (some_hidden) hide_nonfinite_values<CT>(w, v_rows, aliased, seen_lo, seen_hi, n, sh.Dv, nf);
         accumulate_pv<QT, CT>(sh, w, hl, v_rows, n, next, nf, j0, c0, c1);

@@ -17,6 +17,10 @@
 //   vp[jp][c]     the tile's values interleaved by token pair: (v[2jp][c], v[2jp + 1][c]);
 //                 rows of DV words, DV = D rounded up to 32, columns from D on zero
 //   acc32[row][c] fp32 (not pairs): the row's running PV sums, rows of DV floats
+// and, on the heads path (decode tasks whose rows all see the same keys: attention.h), for QK:
+//   qt[rb][dp][i] Q^T: column pair dp of row 16 rb + i, so one vector holds 16 rows' pair dp
+//   st[j][row]    fp32 scores (then probabilities) token by token, 16 rows a vector; the key rows
+//                 are read as they lie in the cache, one pair broadcast at a time (no kt)
 // Tokens past the tile's end are zero in kt / vp (their scores are masked afterwards).
 #pragma once
 #if defined(__AVX512BF16__)
@@ -239,6 +243,44 @@ inline void for_dot_rows(int64_t rows, F&& f) {
   for (; r + 8 <= rows; r += 8) f(std::integral_constant<int, 8>{}, r);
   for (; r + 4 <= rows; r += 4) f(std::integral_constant<int, 4>{}, r);
   for (; r < rows; ++r) f(std::integral_constant<int, 1>{}, r);
+}
+
+// Decode's QK with the rows as the lanes (attention.h's heads path, where every row of the task
+// sees the same keys): st[j][r] = q[r] . k[j] unscaled, for the n tokens of the tile (rows of D
+// bf16, as they lie in the cache: no re-layout of K) and `rows` query rows, a multiple of 16. qt:
+// Q^T in pairs, [rows / 16][DP][16 rows] (laid out once per task). Each vdpbf16ps adds a key's
+// column pair, broadcast from its row, times 16 rows' pairs; 16 tokens at a time share each load of
+// qt. st: [kDotTileTokens][rows] fp32. The AMX builds run amx_qk_heads instead.
+template <int T, typename P>
+inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k, float* st, int64_t rows, int j,
+                           const P* next) {
+  __m512 a[T];
+  for (int t = 0; t < T; ++t) a[t] = _mm512_setzero_ps();
+  for (int dp = 0; dp < DP; ++dp) {
+    // The next tile's tokens j..j+15, one line a step: line dp / 16 of token j + dp % 16 (the
+    // rows' lines in the order this loop reads the current ones), never a burst.
+    if (next != nullptr) next->token_line(j + dp % 16, dp / 16);
+    const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + size_t(dp) * 16);
+    for (int t = 0; t < T; ++t) {
+      int32_t pair;  // rows are 2-byte aligned only
+      std::memcpy(&pair, k[t] + 2 * dp, sizeof(pair));
+      a[t] = _mm512_dpbf16_ps(a[t], q, (__m512bh)_mm512_set1_epi32(pair));  // the broadcast as the memory operand
+    }
+  }
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(st + t * rows, a[t]);
+}
+// next: the next tile's prefetches (attention.h's Prefetch), issued by the first row block.
+template <typename P>
+inline void dot_qk_heads(int64_t rows, const uint32_t* qt, int DP, const uint16_t* const* k, int n, float* st,
+                         const P& next) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    const uint32_t* q = qt + size_t(r0) * DP;
+    const P* fetch = r0 == 0 ? &next : nullptr;
+    int j = 0;
+    for (; j + 16 <= n; j += 16) qk_heads_block<16>(q, DP, k + j, st + j * rows + r0, rows, j, fetch);
+    for (; j + 4 <= n; j += 4) qk_heads_block<4>(q, DP, k + j, st + j * rows + r0, rows, j, fetch);
+    for (; j < n; ++j) qk_heads_block<1>(q, DP, k + j, st + j * rows + r0, rows, j, fetch);
+  }
 }
 
 // The tile's QK and PV for all of a task's rows (per KV head): the entry points run_task calls.
