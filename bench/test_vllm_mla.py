@@ -13,6 +13,11 @@ def test_vllm_mla_benchmark_runs(bench_results):
     for r in result["rows"]:
         assert r["gbps_paged_ops"] > 0 and r["paged_ops_check_rel_err"] <= 1e-2, r
         assert r["latent_bytes"] == r["num_seqs"] * r["context_len"] * 576 * 2
+        # the compute roof: the bf16 matmul peak's multiply-adds over each token's heads x (576 + 512)
+        macs_per_s = result["peaks"]["matmul_tflops"] * 1e12 / 2
+        assert abs(r["compute_roof_gbps"] - macs_per_s / (r["num_heads"] * 1088) * 1152 / 1e9) < 1e-9 * r["compute_roof_gbps"]
+        assert r["roof_gbps"] == min(result["peaks"]["copy_gbps"], r["compute_roof_gbps"])
+        assert r["paged_ops_share_of_roof"] == r["gbps_paged_ops"] / r["roof_gbps"]
     if M.vllm_missing() is not None:
         assert result["vllm"].startswith("vllm not importable"), result["vllm"]
         assert not any("gbps_vllm" in r for r in result["rows"])

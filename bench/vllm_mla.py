@@ -68,6 +68,11 @@ class MlaCase:
         return self.num_seqs * self.context_len * LATENT * self.torch_dtype.itemsize
 
     @property
+    def macs_per_token(self) -> int:
+        """Multiply-adds per cached token: every head's QK (576) and PV (512) on its latent row."""
+        return self.num_heads * (LATENT + KV_LORA_RANK)
+
+    @property
     def num_blocks(self) -> int:
         return self.num_seqs * math.ceil(self.context_len / self.block_size)
 
@@ -220,12 +225,18 @@ def num_sets(case: MlaCase) -> int:
 
 def measure(shapes: list[MlaCase], target_s: float = 2.0, peaks: dict | None = None) -> dict:
     """Every shape: ours and (where vLLM imports and takes the shape) theirs, interleaved.
-    peaks: {copy_gbps} to use instead of measuring it at the start and end (tests)."""
+    peaks: {copy_gbps, matmul_tflops} to use instead of measuring them (tests).
+
+    Besides the copy roof, each row gets a compute roof: the latent GB/s at which the step's
+    multiply-adds (macs_per_token) would run at torch's bf16 matmul peak measured in the same
+    process (bench.common.matmul_peak_tflops). At 128 heads (~240 FLOP per latent byte), and at 16
+    heads on CPUs whose bf16 peak is low against their bandwidth, it is the lower of the two: the
+    share of min(copy, compute) is what a kernel can be judged by there."""
     missing = vllm_missing()
     load_start = os.getloadavg()
     measured_peaks = peaks is None
     if measured_peaks:
-        peaks = {"copy_gbps_start": common.copy_peak_gbps()}
+        peaks = {"copy_gbps_start": common.copy_peak_gbps(), "matmul_tflops": common.matmul_peak_tflops()}
     ours = paged_ops.backend("cpu").unchecked("decode_attention")  # torch.ops.paged_cpu.decode_attention
     rows = []
     for case in shapes:
@@ -275,8 +286,12 @@ def measure(shapes: list[MlaCase], target_s: float = 2.0, peaks: dict | None = N
     if measured_peaks:
         peaks["copy_gbps_end"] = common.copy_peak_gbps()
         peaks["copy_gbps"] = max(peaks["copy_gbps_start"], peaks["copy_gbps_end"])
-    for r in rows:
+    for r, case in zip(rows, shapes):
         r["paged_ops_share_of_copy"] = r["gbps_paged_ops"] / peaks["copy_gbps"]
+        bytes_per_token = case.latent_bytes / (case.num_seqs * case.context_len)
+        r["compute_roof_gbps"] = peaks["matmul_tflops"] * 1e12 / 2 / case.macs_per_token * bytes_per_token / 1e9
+        r["roof_gbps"] = min(peaks["copy_gbps"], r["compute_roof_gbps"])
+        r["paged_ops_share_of_roof"] = r["gbps_paged_ops"] / r["roof_gbps"]
         if "gbps_vllm" in r:
             r["vllm_share_of_copy"] = r["gbps_vllm"] / peaks["copy_gbps"]
         if "gbps_vllm_amx" in r:
@@ -291,7 +306,8 @@ def table(result: dict) -> str:
     out = []
     for r in result["rows"]:
         cells = [f"{r['num_seqs']} x {r['context_len']}, {r['num_heads']} heads", r["block_size"],
-                 f"{r['gbps_paged_ops']:.3g} ({r['paged_ops_share_of_copy']:.2f})"]
+                 f"{r['gbps_paged_ops']:.3g} ({r['paged_ops_share_of_copy']:.2f})",
+                 f"{r['compute_roof_gbps']:.3g}", f"{r['paged_ops_share_of_roof']:.2f}"]
         if "gbps_vllm" in r:
             cells += [f"{r['gbps_vllm']:.3g} ({r['vllm_share_of_copy']:.2f})", f"{r['speedup']:.2f}x"]
         else:
@@ -303,7 +319,8 @@ def table(result: dict) -> str:
         errs = [r["paged_ops_check_rel_err"], r.get("vllm_check_rel_err"), r.get("vllm_amx_check_rel_err")]
         cells.append(" / ".join("n/a" if e is None else f"{e:.1e}" for e in errs[:3 if has_amx else 2]))
         out.append(cells)
-    head = ["decode (576 / 512, bf16)", "block", "paged-ops GB/s (share of copy)",
+    head = ["decode (576 / 512, bf16)", "block", "paged-ops GB/s (share of copy)", "compute roof GB/s",
+            "paged-ops share of min(copy, compute)",
             "vLLM CPU_MLA mla_decode_kvcache GB/s (share)", "paged-ops speed-up"]
     if has_amx:
         head += ["vLLM AMX_MLA decode_attention_cpu GB/s (share)", "paged-ops speed-up vs AMX_MLA"]
@@ -316,13 +333,15 @@ def header(result: dict) -> str:
     copy = common.copy_peak_text(p)
     return (f"{common.machine_id()}, {result['threads']} threads, cpu ISA {common.cpu_isa()}, commit "
             f"{common.commit_tag()}, run {common.run_stamp()}, torch {torch.__version__}, {result['vllm']}\n"
-            f"peak: {copy}; GB/s = latent cache bytes read / fastest call\n" + common.load_line(result))
+            f"peak: {copy}; bf16 matmul {p['matmul_tflops']:.3g} TFLOP/s (the compute roof); "
+            f"GB/s = latent cache bytes read / fastest call\n" + common.load_line(result))
 
 
 def main(argv=None) -> dict:
     return common.comparison_cli(
         argv, __doc__, "vllm_mla", lambda: measure(SHAPES),
-        lambda: measure(SMOKE_SHAPES, target_s=0.05, peaks={"copy_gbps": common.copy_peak_gbps(16 << 20, 2)}),
+        lambda: measure(SMOKE_SHAPES, target_s=0.05, peaks={"copy_gbps": common.copy_peak_gbps(16 << 20, 2),
+                                                            "matmul_tflops": common.matmul_peak_tflops(256, 2)}),
         header, table)
 
 
