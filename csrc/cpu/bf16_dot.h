@@ -251,6 +251,20 @@ inline void for_dot_rows(int64_t rows, F&& f) {
 // Q^T in pairs, [rows / 16][DP][16 rows] (laid out once per task). Each vdpbf16ps adds a key's
 // column pair, broadcast from its row, times 16 rows' pairs; 16 tokens at a time share each load of
 // qt. st: [kDotTileTokens][rows] fp32. The AMX builds run amx_qk_heads instead.
+// a + the pair products of b and the bf16 pair at p broadcast to every lane: vdpbf16ps with the
+// pair as its embedded-broadcast memory operand ({1to16}), which GCC's intrinsic does not emit
+// (it loads the broadcast into a register first: one more instruction per product).
+inline __attribute__((always_inline)) __m512 dpbf16_broadcast(__m512 a, __m512bh b, const uint16_t* p) {
+#if defined(__GNUC__) && defined(__x86_64__)
+  asm("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(a) : "v"(b), "m"(*reinterpret_cast<const uint32_t*>(p)));
+  return a;
+#else
+  int32_t pair;  // rows are 2-byte aligned only
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_dpbf16_ps(a, b, (__m512bh)_mm512_set1_epi32(pair));
+#endif
+}
+
 template <int T, typename P>
 inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k, float* st, int64_t rows, int j,
                            const P* next) {
@@ -261,11 +275,7 @@ inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k,
     // rows' lines in the order this loop reads the current ones), never a burst.
     if (next != nullptr) next->token_line(j + dp % 16, dp / 16);
     const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + size_t(dp) * 16);
-    for (int t = 0; t < T; ++t) {
-      int32_t pair;  // rows are 2-byte aligned only
-      std::memcpy(&pair, k[t] + 2 * dp, sizeof(pair));
-      a[t] = _mm512_dpbf16_ps(a[t], q, (__m512bh)_mm512_set1_epi32(pair));  // the broadcast as the memory operand
-    }
+    for (int t = 0; t < T; ++t) a[t] = dpbf16_broadcast(a[t], q, k[t] + 2 * dp);
   }
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(st + t * rows, a[t]);
 }
