@@ -268,15 +268,18 @@ inline __attribute__((always_inline)) __m512 dpbf16_broadcast(__m512 a, __m512bh
 template <int T, typename P>
 inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k, float* st, int64_t rows, int j,
                            const P* next) {
-  __m512 a[T];
+  __m512 a[T];  // unrolled loops over it: GCC then keeps it in registers (else some builds spilled it)
+#pragma GCC unroll 16
   for (int t = 0; t < T; ++t) a[t] = _mm512_setzero_ps();
   for (int dp = 0; dp < DP; ++dp) {
     // The next tile's tokens j..j+15, one line a step: line dp / 16 of token j + dp % 16 (the
     // rows' lines in the order this loop reads the current ones), never a burst.
     if (next != nullptr) next->token_line(j + dp % 16, dp / 16);
     const __m512bh q = (__m512bh)_mm512_loadu_si512(qt + size_t(dp) * 16);
+#pragma GCC unroll 16
     for (int t = 0; t < T; ++t) a[t] = dpbf16_broadcast(a[t], q, k[t] + 2 * dp);
   }
+#pragma GCC unroll 16
   for (int t = 0; t < T; ++t) _mm512_storeu_ps(st + t * rows, a[t]);
 }
 // next: the next tile's prefetches (attention.h's Prefetch), issued by the first row block.
