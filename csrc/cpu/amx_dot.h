@@ -147,7 +147,7 @@ inline int64_t amx_qk_rows(int64_t rows, const uint32_t* qb, int DP, const uint3
 }
 
 // Decode's QK with the heads as columns (attention.h's heads path, where every row of the task sees
-// the same keys): S^T = K Q^T, st[j][r] = q[r] . k[j] unscaled, for n tokens (16 or 32) and `rows`
+// the same keys): S^T = K Q^T, st[j][r] = scale * (q[r] . k[j]), for n tokens (16 or 32) and `rows`
 // query rows (a multiple of 16). A is 16 key rows read straight from the cache (or a gathered
 // copy): keys[h] the first row of tokens 16h..16h+15, key_stride bytes between rows; B is Q^T in
 // pairs, qt [rows / 16][DP][16 rows] (DP a multiple of 16: no tail); C is [16 tokens][16 rows].
@@ -164,7 +164,7 @@ inline int64_t amx_qk_rows(int64_t rows, const uint32_t* qb, int DP, const uint3
 #define PAGED_AMX_Q0 3
 #define PAGED_AMX_Q1 4
 inline void amx_qk_heads(int64_t rows, const uint32_t* qt, int DP, const void* const keys[2], const int64_t key_stride[2],
-                         int n, float* st) {
+                         int n, float scale, float* st) {
   amx_configure(0);
   amx_memory_barrier();
   const bool two = n > 16;  // the second token half
@@ -198,6 +198,9 @@ inline void amx_qk_heads(int64_t rows, const uint32_t* qt, int DP, const void* c
     if (two) PAGED_AMX_STORE(PAGED_AMX_S10, out + 16 * rows, st_stride);
     if (two && pair) PAGED_AMX_STORE(PAGED_AMX_S11, out + 16 * rows + 16, st_stride);
   }
+  // The scale on the fp32 scores, as amx_qk_rows does.
+  const __m512 m = _mm512_set1_ps(scale);
+  for (int64_t i = 0; i < (two ? 32 : 16) * rows; i += 16) _mm512_storeu_ps(st + i, _mm512_mul_ps(_mm512_loadu_ps(st + i), m));
 }
 
 // acc32[r][c] += sum_j p[r][j] v[j][c] for the first rows / 16 * 16 rows over the whole tile;

@@ -87,9 +87,9 @@ struct Scratch {
   std::vector<double> fold_m, fold_w, fold_acc;  // the rows' folded chunks (fold_part)
   std::vector<int64_t> first_visible, last_visible, position;
   std::vector<uint32_t> qb, kt, vp, pb;  // the bf16 dot-product path's layouts (bf16_dot.h)
-  std::vector<uint32_t> qt;              // the heads path's Q^T (amx_qk_heads)
+  std::vector<uint32_t> qt;              // the heads path's Q^T (dot_qk_heads, amx_qk_heads)
   std::vector<float> st;                 // and its scores, [kTileTokens][rows]
-  std::vector<uint16_t> kg;              // and its gathered key rows (gather_key_halves)
+  std::vector<uint16_t> kg;              // and its gathered key rows (key_halves, AMX builds)
   std::vector<float> acc32;              // and its fp32 PV sums between flushes
   std::vector<double> acc_scale;         // the corrections acc still owes at the next flush
   std::vector<uint16_t> kw;              // fp8 caches: a tile's K or V rows widened to bf16
@@ -730,7 +730,7 @@ __attribute__((always_inline)) inline void score_tile(const AttentionParams& p, 
 #if defined(__AVX512BF16__)
   // The dot paths' query is bf16 as it is: the scale multiplies their fp32 scores.
   const float q_mul = p.scale * k_scale_of(p, t.seq, h) * CacheRead<CT>::kUnit;
-  if (sh.heads_path) {  // w.st, unscaled: softmax_tile_heads scales it
+  if (sh.heads_path) {  // w.st, [token][row]
     const uint16_t* widened[kTileTokens];
     const uint16_t* const* k = dot_rows<CT>(k_rows, n, D, w.kw.data(), widened);
     const uint32_t* qt = &w.qt[size_t(hl) * rows * D / 2];
@@ -739,9 +739,9 @@ __attribute__((always_inline)) inline void score_tile(const AttentionParams& p, 
     const void* keys[2];
     int64_t key_stride[2];
     key_halves(k, n, D, w.kg.data(), keys, key_stride);
-    amx_qk_heads(rows, qt, D / 2, keys, key_stride, n, w.st.data());
+    amx_qk_heads(rows, qt, D / 2, keys, key_stride, n, q_mul, w.st.data());
 #else
-    dot_qk_heads(rows, qt, D / 2, k, n, w.st.data(), next);
+    dot_qk_heads(rows, qt, D / 2, k, n, q_mul, w.st.data(), next);
 #endif
     return;
   }
@@ -827,10 +827,10 @@ __attribute__((always_inline)) inline float online_softmax_update(float* s, floa
 // Stage: softmax_tile_heads, the heads path's softmax_tile on w.st ([token][row]): the same
 // variants and online softmax (apply_variants, online_softmax_update) on 16 rows at once, lane r
 // for row r, since the rows share their keys (one mask for all) and the tile's max and sum run
-// down the tokens, no horizontal reduction. scale: score_tile's q_mul. Then the probabilities as
+// down the tokens, no horizontal reduction. Then the probabilities as
 // PV's A operand, w.pb [rows][16 token pairs] (pack_bf16's rounding and pairs).
 inline void softmax_tile_heads(const AttentionParams& p, const TaskShape& sh, Scratch& w, int64_t hl, int64_t h,
-                               int64_t j0, int n, float scale) {
+                               int64_t j0, int n) {
   const int64_t rows = sh.rows;
   const int first = int(std::clamp<int64_t>(w.first_visible[0] - j0, 0, n));
   const int last = int(std::clamp<int64_t>(w.last_visible[0] - j0 + 1, 0, n));
@@ -846,7 +846,7 @@ inline void softmax_tile_heads(const AttentionParams& p, const TaskShape& sh, Sc
     __m512 tile_max = neg_inf;
     __mmask16 nan = 0;
     for (int j = first; j < last; ++j) {
-      Vec16 x{_mm512_mul_ps(_mm512_loadu_ps(st + j * rows + r0), _mm512_set1_ps(scale))};
+      Vec16 x = Vec16::load(st + j * rows + r0);
       if (p.softcap > 0.f) x = Vec16::softcap(x, p.softcap);
       if (p.alibi_slopes != nullptr) x.v = _mm512_add_ps(x.v, _mm512_mul_ps(slope, _mm512_set1_ps(float(distance + j))));
       x.store(st + j * rows + r0);
@@ -913,14 +913,10 @@ inline void softmax_tile_heads(const AttentionParams& p, const TaskShape& sh, Sc
 // row's variants and online softmax (w.s becomes the probabilities; 0 where a row sees nothing),
 // and its accumulator rescaled by the factor: acc, or on the dot path acc32 now and acc (fp64,
 // rows too large to rescale often) at the next flush (acc_scale).
-template <typename CT>
-__attribute__((always_inline)) inline void softmax_tile(const AttentionParams& p, const Task& t, const TaskShape& sh,
-                                                        Scratch& w, int64_t hl, int64_t h, int64_t j0, int n) {
+__attribute__((always_inline)) inline void softmax_tile(const AttentionParams& p, const TaskShape& sh, Scratch& w,
+                                                        int64_t hl, int64_t h, int64_t j0, int n) {
 #if defined(__AVX512BF16__)
-  if (sh.heads_path)
-    return softmax_tile_heads(p, sh, w, hl, h, j0, n, p.scale * k_scale_of(p, t.seq, h) * CacheRead<CT>::kUnit);
-#else
-  (void)t;
+  if (sh.heads_path) return softmax_tile_heads(p, sh, w, hl, h, j0, n);
 #endif
   const int D = sh.Dv;  // accumulator rows
   const int64_t rows = sh.rows, group = sh.group;
@@ -1144,7 +1140,7 @@ void run_task(const AttentionParams& p, const Task& t, Scratch& w, float* partia
         const Prefetch<CT> next{tiles.k_tokens[slot ^ 1], tiles.v_tokens[slot ^ 1], next_n, k_row_bytes, v_row_bytes,
                                 (kTileTokens + n - 1) / n, h * p.k_stride_head, h * p.v_stride_head};
         score_tile<QT, CT>(p, t, sh, w, hl, h, k_rows, n, next);
-        softmax_tile<CT>(p, t, sh, w, hl, h, j0, n);
+        softmax_tile(p, sh, w, hl, h, j0, n);
         NonfiniteValues nf;
         if (some_hidden) hide_nonfinite_values<CT>(w, v_rows, aliased, seen_lo, seen_hi, n, sh.Dv, nf);
         accumulate_pv<QT, CT>(sh, w, hl, v_rows, n, next, nf, j0, c0, c1);

@@ -245,12 +245,6 @@ inline void for_dot_rows(int64_t rows, F&& f) {
   for (; r < rows; ++r) f(std::integral_constant<int, 1>{}, r);
 }
 
-// Decode's QK with the rows as the lanes (attention.h's heads path, where every row of the task
-// sees the same keys): st[j][r] = q[r] . k[j] unscaled, for the n tokens of the tile (rows of D
-// bf16, as they lie in the cache: no re-layout of K) and `rows` query rows, a multiple of 16. qt:
-// Q^T in pairs, [rows / 16][DP][16 rows] (laid out once per task). Each vdpbf16ps adds a key's
-// column pair, broadcast from its row, times 16 rows' pairs; 16 tokens at a time share each load of
-// qt. st: [kDotTileTokens][rows] fp32. The AMX builds run amx_qk_heads instead.
 // a + the pair products of b and the bf16 pair at p broadcast to every lane: vdpbf16ps with the
 // pair as its embedded-broadcast memory operand ({1to16}), which GCC's intrinsic does not emit
 // (it loads the broadcast into a register first: one more instruction per product).
@@ -265,9 +259,15 @@ inline __attribute__((always_inline)) __m512 dpbf16_broadcast(__m512 a, __m512bh
 #endif
 }
 
+// Decode's QK with the rows as the lanes (attention.h's heads path, where every row of the task
+// sees the same keys): st[j][r] = scale * (q[r] . k[j]), for the n tokens of the tile (rows of D
+// bf16, as they lie in the cache: no re-layout of K) and `rows` query rows, a multiple of 16. qt:
+// Q^T in pairs, [rows / 16][DP][16 rows] (laid out once per task). Each vdpbf16ps adds a key's
+// column pair, broadcast from its row, times 16 rows' pairs; 16 tokens at a time share each load of
+// qt. st: [kDotTileTokens][rows] fp32. The AMX builds run amx_qk_heads instead.
 template <int T, typename P>
-inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k, float* st, int64_t rows, int j,
-                           const P* next) {
+inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k, float scale, float* st, int64_t rows,
+                           int j, const P* next) {
   __m512 a[T];  // unrolled loops over it: GCC then keeps it in registers (else some builds spilled it)
 #pragma GCC unroll 16
   for (int t = 0; t < T; ++t) a[t] = _mm512_setzero_ps();
@@ -280,19 +280,19 @@ inline void qk_heads_block(const uint32_t* qt, int DP, const uint16_t* const* k,
     for (int t = 0; t < T; ++t) a[t] = dpbf16_broadcast(a[t], q, k[t] + 2 * dp);
   }
 #pragma GCC unroll 16
-  for (int t = 0; t < T; ++t) _mm512_storeu_ps(st + t * rows, a[t]);
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(st + t * rows, _mm512_mul_ps(a[t], _mm512_set1_ps(scale)));
 }
 // next: the next tile's prefetches (attention.h's Prefetch), issued by the first row block.
 template <typename P>
-inline void dot_qk_heads(int64_t rows, const uint32_t* qt, int DP, const uint16_t* const* k, int n, float* st,
-                         const P& next) {
+inline void dot_qk_heads(int64_t rows, const uint32_t* qt, int DP, const uint16_t* const* k, int n, float scale,
+                         float* st, const P& next) {
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     const uint32_t* q = qt + size_t(r0) * DP;
     const P* fetch = r0 == 0 ? &next : nullptr;
     int j = 0;
-    for (; j + 16 <= n; j += 16) qk_heads_block<16>(q, DP, k + j, st + j * rows + r0, rows, j, fetch);
-    for (; j + 4 <= n; j += 4) qk_heads_block<4>(q, DP, k + j, st + j * rows + r0, rows, j, fetch);
-    for (; j < n; ++j) qk_heads_block<1>(q, DP, k + j, st + j * rows + r0, rows, j, fetch);
+    for (; j + 16 <= n; j += 16) qk_heads_block<16>(q, DP, k + j, scale, st + j * rows + r0, rows, j, fetch);
+    for (; j + 4 <= n; j += 4) qk_heads_block<4>(q, DP, k + j, scale, st + j * rows + r0, rows, j, fetch);
+    for (; j < n; ++j) qk_heads_block<1>(q, DP, k + j, scale, st + j * rows + r0, rows, j, fetch);
   }
 }
 
