@@ -1112,6 +1112,29 @@ inline int __syncthreads_count(int pred) {
   return int(b.bar_result);
 }
 
+// ex2.approx.ftz.f32 (PTX ISA, "Floating Point Instructions: ex2"): 2^x with subnormal inputs and
+// results flushed to zero, ex2(-Inf) = +0, ex2(+Inf) = +Inf, ex2(NaN) = NaN. The hardware's result
+// is an approximation; here the exact value (in double) is moved 2 ulp away from it, toward 0 or
+// infinity by the input's last bit (CUDA's exp2f, this instruction plus a range fix-up, is
+// documented at 2 ulp), so a kernel that relies on exact powers of two fails its tests.
+namespace cuda_emu {
+inline float ex2_approx_ftz(float x) {
+  if (std::isnan(x)) return x;
+  if (std::fpclassify(x) == FP_SUBNORMAL) x = 0.f;
+  const float y = float(std::exp2(double(x)));
+  if (y == 0.f || std::isinf(y)) return y;
+  if (std::fpclassify(y) == FP_SUBNORMAL || y < std::numeric_limits<float>::min()) return 0.f;
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  uint32_t xb;
+  std::memcpy(&xb, &x, 4);
+  bits = (xb & 1u) ? bits + 2u : bits - 2u;  // 2 ulp up or down (y is a positive normal float)
+  float z;
+  std::memcpy(&z, &bits, 4);
+  return z < std::numeric_limits<float>::min() ? 0.f : z;
+}
+}  // namespace cuda_emu
+
 inline void __syncwarp(unsigned mask = 0xffffffffu) { cuda_emu::detail::warp_exchange(mask, 0); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() {}

@@ -338,6 +338,20 @@ __device__ __forceinline__ void cp_async_wait() {
 #endif
 }
 
+// 2^x by one SFU instruction (ex2.approx.ftz.f32; exp2f wraps it in a range fix-up of three more):
+// ex2(-Inf) = +0, so a softmax can leave -inf scores untested; subnormal results are 0, which a
+// probability below 2^-126 of the row's largest may be. The emulator models the instruction
+// (cuda_emu::ex2_approx_ftz, with its error).
+__device__ __forceinline__ float exp2_approx(float x) {
+#ifdef PAGED_EMU
+  return ::cuda_emu::ex2_approx_ftz(x);
+#else
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
