@@ -19,7 +19,7 @@ if "cuda_emu" not in paged_ops.available_backends():  # optional: built only whe
 selftest = torch.ops.paged_cuda_emu_test
 CONFIG_FIELDS = ("threads", "partition_size", "kv_tile", "force_split", "tensor_cores")  # kernels/params.h
 PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
-               "tile_tokens", "smem", "blocks_per_sm")  # backend.cpp decode_plan
+               "tile_tokens", "smem", "blocks_per_sm", "fast_path")  # backend.cpp decode_plan
 
 
 def config_list(**kw) -> list[int]:
@@ -39,10 +39,10 @@ def num_sms():
         selftest.set_num_sms(previous[0])
 
 
-def plan(case, **config) -> dict:
+def plan(case, softcap=0.0, alibi_slopes=None, **config) -> dict:
     out = nan_like(case.query)
     args = case.decode_args(out)[:6]  # out, query, key_cache, value_cache, block_tables, seq_lens
-    return dict(zip(PLAN_FIELDS, selftest.decode_plan(*args, config_list(**config))))
+    return dict(zip(PLAN_FIELDS, selftest.decode_plan(*args, config_list(**config), softcap, alibi_slopes)))
 
 
 def ctas(pl):
@@ -127,21 +127,75 @@ def test_ring_shapes(group, config):
     run_decode(case, config)
 
 
+def odd_views(case):
+    """The case with its caches moved one element into wider rows: odd element offset and head stride."""
+    for name in ("key_cache", "value_cache"):
+        c = getattr(case, name)
+        wide = torch.full(c.shape[:-1] + (c.shape[-1] + 1,), float("nan"), dtype=c.dtype)[..., 1:]
+        wide.copy_(c)
+        setattr(case, name, wide)
+    return case
+
+
 @pytest.mark.parametrize("block_size", [6, 16])
 @pytest.mark.parametrize("group", [1, 4])
 def test_odd_views_and_block_sizes(block_size, group):
     # An odd element offset and head stride: the ring falls back to 2-byte copies; a block size
-    # that is no power of two takes the division instead of the shift.
+    # that is no power of two takes the division instead of the shift. Neither is the fast path.
     case = make_case([1, 17, 70, 121], num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=block_size,
                      dtype=torch.bfloat16, seed=block_size + group)
     if block_size == 16:
-        for name in ("key_cache", "value_cache"):
-            c = getattr(case, name)
-            wide = torch.full(c.shape[:-1] + (c.shape[-1] + 1,), float("nan"), dtype=c.dtype)[..., 1:]
-            wide.copy_(c)
-            setattr(case, name, wide)
+        odd_views(case)
+    assert not plan(case)["fast_path"]
     run_decode(case)
     run_decode(case, dict(force_split=1, partition_size=32))
+
+
+def test_the_fast_path_is_the_plain_loop():
+    # plan.h decode_fast_path: decode_kernel<..., true> is compiled without the soft-cap and ALiBi
+    # code, with 16-byte copies and a shift for the page, so a call needing any of those must not take it.
+    case = make_case([5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16, seed=4)
+    assert plan(case)["fast_path"]
+    assert plan(case, partition_size=32, force_split=1)["fast_path"]  # split-KV: outside the loop
+    assert not plan(case, softcap=30.0)["fast_path"]
+    assert not plan(case, alibi_slopes=torch.rand(8))["fast_path"]
+    assert not plan(odd_views(case))["fast_path"]
+    for block_size in (1, 64):
+        assert plan(make_case([9], num_heads=4, num_kv_heads=1, head_size=64, block_size=block_size,
+                              seed=block_size))["fast_path"]
+    assert not plan(make_case([9], num_heads=4, num_kv_heads=1, head_size=64, block_size=12, seed=1))["fast_path"]
+    latent = make_case([9], num_heads=16, num_kv_heads=1, head_size=576, value_head_size=512, value_in_key=True,
+                       block_size=16, dtype=torch.bfloat16, seed=2)
+    assert not plan(latent)["fast_path"]  # decode_wide_kernel has one loop
+    # An 8-byte row (head 8, fp8) has no whole 16-byte copy: the choice must not divide by its 0 copies
+    # (it did: SIGFPE in the binding, found by test_ops' random shapes).
+    tiny = make_case([9], num_heads=2, num_kv_heads=1, head_size=8, block_size=16, cache_dtype=torch.float8_e4m3fn,
+                     scale_kind="head", seed=3)
+    assert not plan(tiny)["fast_path"]
+    run_decode(tiny)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("variant", ["none", "window_sinks_lse", "softcap", "alibi"])
+@pytest.mark.parametrize("split", [False, True])
+def test_both_loops_against_the_reference(variant, cache_dtype, split):
+    # The same shape through the fast loop (no modifier, or only those acting outside the loop) and
+    # the general one (soft-cap, ALiBi), one pass and split.
+    num_heads = 8
+    case = make_case([1, 30, 200], num_heads=num_heads, num_kv_heads=2, head_size=128, block_size=16,
+                     dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=len(variant) + split,
+                     **(dict(scale_kind="head") if cache_dtype else {}))
+    g = torch.Generator().manual_seed(7)
+    kw = {"none": {}, "softcap": dict(softcap=15.0), "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g)),
+          "window_sinks_lse": dict(window_left=50, sinks=torch.randn(num_heads, generator=g))}[variant]
+    config = dict(force_split=1, partition_size=32) if split else dict(partition_size=-1)
+    on_plan = {k: v for k, v in kw.items() if k in ("softcap", "alibi_slopes")}
+    assert plan(case, **on_plan, **config)["fast_path"] == (variant in ("none", "window_sinks_lse"))
+    want, want_lse = case.reference_decode_lse(**kw)
+    out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
+    selftest.decode_attention_config(*case.decode_args(out), config_list(**config), **kw, lse=lse)
+    assert_close(out, want, case.dtype)
+    assert_close(lse, want_lse, torch.float32)
 
 
 def test_variants_through_the_ring(num_sms):

@@ -140,17 +140,21 @@ int64_t decode_rows_per_step(int64_t cache_bytes) {
 }
 
 // The decode plan (kernels/plan.h) decode_attention_config would launch with: [grid_x, grid_y,
-// grid_z, threads, split, partition_size, heads_per_thread, tile_tokens, smem bytes, blocks_per_sm].
+// grid_z, threads, split, partition_size, heads_per_thread, tile_tokens, smem bytes, blocks_per_sm,
+// fast_path], for a call with this soft-cap and these ALiBi slopes.
 std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                                  const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
-                                 at::IntArrayRef config) {
+                                 at::IntArrayRef config, double softcap, const std::optional<Tensor>& alibi_slopes) {
   const paged::binding::Target tgt = Backend::target(query.device());
+  paged::AttentionVariants variants;
+  variants.softcap = softcap;
+  variants.alibi_slopes = alibi_slopes;
   const paged::AttentionParams p =
       paged::binding::attention_params(tgt, out, query, key_cache, value_cache, block_tables, seq_lens, nullptr, 1,
-                                       1.0, true, std::nullopt, std::nullopt, paged::AttentionVariants{});
+                                       1.0, true, std::nullopt, std::nullopt, variants);
   const paged::DecodePlan pl = paged::plan_decode(p, paged::binding::config_from_list(config));
   return {pl.grid_x, pl.grid_y, pl.grid_z, pl.threads, pl.split, pl.partition_size, pl.heads_per_thread,
-          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm};
+          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm, pl.fast_path};
 }
 
 }  // namespace
@@ -172,7 +176,7 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("set_emulated_arch(int arch) -> int", &paged_cuda_emu::set_emulated_arch);
   m.def("decode_rows_per_step(int cache_bytes) -> int", &paged_cuda_emu::decode_rows_per_step);
   m.def("decode_plan(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, int[] config) -> int[]");
+        "Tensor seq_lens, int[] config, float softcap=0.0, Tensor? alibi_slopes=None) -> int[]");
 }
 
 TORCH_LIBRARY_IMPL(paged_cuda_emu_test, CPU, m) {

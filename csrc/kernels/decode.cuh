@@ -29,6 +29,12 @@
 //    heads: two blocks of 8 a row, next to each other on grid x, so the second reads hit L2).
 //  * Softmax rescale once per step of decode_rows_per_step tokens per token group (the default tile
 //    is one step), not per token.
+//  * The common case compiled on its own: decode_kernel<..., kFast = true> (plan.h decode_fast_path:
+//    no soft-cap or ALiBi, 16-byte copies, a power-of-two block size, head 64 / 128 / 256 for keys and
+//    values) has none of the other cases' code in its KV loop: the copies unrolled at a constant
+//    pitch, the page by a shift, fp8 scales moved onto q and the accumulators, exp2 by one
+//    ex2.approx (exp2_approx). Everything else (windows, sinks, lse, split-KV) acts outside the
+//    loop and takes either kernel.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -190,8 +196,8 @@ __device__ __forceinline__ int chunk_dim(int d0, int c) {
 // (query_multiplier); zeros for the heads past gcount and for idle chunks.
 template <typename T, int G, int TPT, int KC>
 __device__ __forceinline__ void load_q(float (&q)[G][KC * 8], const AttentionParams& p, int64_t row, int head0,
-                                       int gcount, int d0, int Dk) {
-  const float qmul = query_multiplier(p);
+                                       int gcount, int d0, int Dk, float kscale = 1.f) {
+  const float qmul = query_multiplier(p) * kscale;  // kscale: K's fp8 scale moved onto q (the fast path)
   const T* qrow = static_cast<const T*>(p.query) + row * p.q_stride_token + d0;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -272,20 +278,33 @@ struct OnlineSoftmax {
   // tokens' probabilities. A NaN score gives NaN probabilities (and so a NaN row), as in the
   // reference; a -inf score (an infinite query or key, or no row) has probability 0, not
   // exp2(-inf - -inf) = NaN while the row has seen nothing finite yet.
-  template <int R>
+  // kFast (decode_kernel's fast path): the same by exp2_approx, whose ex2(-inf) = +0 does the -inf
+  // cases with one test a head rather than one a score: while the row has seen nothing finite the
+  // max is taken as 0, so -inf scores and the first rescale come out 0 (the accumulators are 0 then).
+  template <bool kFast = false, int R>
   __device__ __forceinline__ void update_softmax(float (&s)[R][G]) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       float mn = m[g];
 #pragma unroll
       for (int r = 0; r < R; ++r) mn = fmaxf(mn, s[r][g]);
-      // 0 at the first finite score (m = -inf); 1 while none (-inf - -inf would be NaN)
-      const float a = mn == -INFINITY ? 1.f : exp2f(m[g] - mn);
-      float sum = 0.f;
+      float a, sum = 0.f;
+      if constexpr (kFast) {
+        const float base = mn == -INFINITY ? 0.f : mn;
+        a = exp2_approx(m[g] - base);
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        s[r][g] = s[r][g] == -INFINITY ? 0.f : exp2f(s[r][g] - mn);
-        sum += s[r][g];
+        for (int r = 0; r < R; ++r) {
+          s[r][g] = exp2_approx(s[r][g] - base);
+          sum += s[r][g];
+        }
+      } else {
+        // 0 at the first finite score (m = -inf); 1 while none (-inf - -inf would be NaN)
+        a = mn == -INFINITY ? 1.f : exp2f(m[g] - mn);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          s[r][g] = s[r][g] == -INFINITY ? 0.f : exp2f(s[r][g] - mn);
+          sum += s[r][g];
+        }
       }
       l[g] = l[g] * a + sum;
 #pragma unroll
@@ -427,14 +446,32 @@ __device__ __forceinline__ void copy_tile_rows(unsigned char* dst, const char* s
   }
 }
 
+// The fast path's copy of rows [0, n) of a tile (plan.h decode_fast_path): rows of kUnits 16-byte
+// copies (kUnits <= threads, so a pass copies threads / kUnits whole rows, one unit per thread) and
+// at most kPasses rows per thread, so the loop is unrolled (bench/sass.py then counts every copy of
+// an iteration) and the layout is recomputed from threadIdx rather than held in registers.
+template <int kPasses, int kUnits>
+__device__ __forceinline__ void copy_tile_rows_fixed(unsigned char* dst, const char* src, const int64_t* offsets,
+                                                     int which, int n) {
+  const int tid = int(threadIdx.x), rows_per_pass = int(blockDim.x) / kUnits;
+  const int row0 = tid / kUnits, unit = tid % kUnits;
+  if (row0 >= rows_per_pass) return;  // threads past the last whole row
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = row0 + i * rows_per_pass;
+    if (r < n) copy_async(dst + size_t(r) * (kUnits * 16) + unit * 16, src + offsets[2 * r + which] + unit * 16, 16);
+  }
+}
+
 // K and V byte offsets of tokens [t0, t0 + n) (n <= C) into `offsets` ([C][2]): one thread per
 // token, one block-table lookup and one division (a shift for power-of-two blocks) each.
-template <typename KV>
+// kShift: the block size is known to be a power of two (decode_kernel's fast path).
+template <typename KV, bool kShift>
 __device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>& K, const PagedKV<KV>& V, int t0,
                                             int n, int block_shift) {
   for (int r = threadIdx.x; r < n; r += blockDim.x) {
     const int t = t0 + r;
-    const int blk_idx = block_shift >= 0 ? t >> block_shift : t / K.block_size;
+    const int blk_idx = kShift || block_shift >= 0 ? t >> block_shift : t / K.block_size;
     const int off = t - blk_idx * K.block_size;
     const int64_t blk = K.block_table[blk_idx];
     offsets[2 * r] = (blk * K.stride_block + int64_t(off) * K.stride_token) * int64_t(sizeof(KV));
@@ -468,8 +505,10 @@ PAGED_HOST_DEVICE constexpr int decode_wide_kernel_rows_per_step() {
 
 // One block of the decode kernels (decode_kernel, decode_wide_kernel below): TPT lanes per token,
 // G heads per token group, KC chunks of q / K and VC chunks of V per lane (chunk_dim), kRows token
-// rows per step. sh: the launch shape (plan_decode, kernels/plan.h).
-template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows>
+// rows per step. sh: the launch shape (plan_decode, kernels/plan.h). kFast: the plan's fast_path
+// (plan.h decode_fast_path: no soft-cap or ALiBi, 16-byte copies, power-of-two blocks), so the KV
+// loop is compiled without the code of the other cases.
+template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows, bool kFast>
 __device__ __forceinline__ void decode_block(const AttentionParams& p, const DecodeShape& sh, bool split,
                                              int partition_size, int num_partitions, float* tmp_out, float* tmp_ml) {
   // AttentionParams' sizes are int64 (the cpu backend's); the binding checks they fit int, and the
@@ -508,19 +547,23 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   const int gcount = max(0, min(G, nheads - tile * G));
   const int d0 = sub * 8;  // chunk c of this lane: dims chunk_dim<TPT>(d0, c); past D (Dv): idle
 
+  // The fast path moves the fp8 scales out of the loop: K's onto q (q . (s k) = (s q) . k), V's onto
+  // the accumulators at the end; the general path multiplies every element (load8).
+  const float cache_kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
+  const float cache_vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
+  const float kscale = kFast ? 1.f : cache_kscale, vscale = kFast ? 1.f : cache_vscale;
   float q[G][KC * 8];
-  load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D);
+  load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f);
   ScoreMod<G> mod;
-  mod.init(p, head0 + tile * G, rs.pos);
-  const float kscale = cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh);
-  const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
+  if constexpr (!kFast) mod.init(p, head0 + tile * G, rs.pos);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
   // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage (sh.stage_bytes) C K rows
   // and, sh.v_rows bytes after them, C V rows; sh.v_rows = 0: V is the first Dv columns of K's rows
   // (one latent, absorbed MLA), read from the staged K rows and never copied itself.
   PAGED_DYNAMIC_SMEM(unsigned char, smem, size_t(sh.smem_bytes));
-  const int C = sh.tile_tokens, pitch = sh.pitch;
+  // The fast path's rows are exactly 8 x TPT elements (plan.h decode_fast_path): a constant pitch.
+  const int C = sh.tile_tokens, pitch = kFast ? 8 * TPT * int(sizeof(KV)) : sh.pitch;
   int64_t* const offsets = reinterpret_cast<int64_t*>(smem);
   unsigned char* const ring = smem + decode_offsets_bytes(C);
   const char* const kbase = reinterpret_cast<const char*>(K.base);
@@ -528,15 +571,16 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   // The copy layout: held in registers through the KV loop, or (wide kernels, whose q and
   // accumulators leave no room for it at the register cap) recomputed per tile.
   TileCopy tc_held;
-  if constexpr (KC == 1) tc_held.init(D * int(sizeof(KV)), sh.copy_bytes);
-  const bool wide = sh.copy_bytes == 16;
+  if constexpr (KC == 1 && !kFast) tc_held.init(D * int(sizeof(KV)), sh.copy_bytes);
+  const bool wide = kFast || sh.copy_bytes == 16;
   const bool copy_v = sh.v_rows != 0;
 
   const int ntiles = ceil_div(end - start, C);  // block-uniform: every thread meets every barrier
   auto tile_rows = [&](int j) { return j < ntiles ? min(C, end - (start + j * C)) : 0; };
   auto locate = [&](int j) {
-    if (j < ntiles) locate_tile(offsets + size_t(j % kDecodeStages) * 2 * C, K, V, start + j * C, tile_rows(j),
-                                sh.block_shift);
+    if (j < ntiles)
+      locate_tile<KV, kFast>(offsets + size_t(j % kDecodeStages) * 2 * C, K, V, start + j * C, tile_rows(j),
+                             sh.block_shift);
   };
   // Tile j's K rows, then its V rows, into stage j % kDecodeStages: two commit groups always (empty
   // past the last tile, and the V one when V is read from K's rows), so the wait counts below hold
@@ -545,10 +589,12 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     const int stage = j % kDecodeStages, n = tile_rows(j);
     const int64_t* off = offsets + size_t(stage) * 2 * C;
     TileCopy tc = tc_held;
-    if constexpr (KC > 1) tc.init(D * int(sizeof(KV)), sh.copy_bytes);
+    if constexpr (KC > 1 && !kFast) tc.init(D * int(sizeof(KV)), sh.copy_bytes);
     unsigned char* kdst = ring + size_t(stage) * sh.stage_bytes;
     unsigned char* vdst = kdst + sh.v_rows;
-    if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16, tc.units);
+    constexpr int kFastUnits = TPT * int(sizeof(KV)) / 2;  // 8 x TPT elements a row, 16 bytes a unit
+    if constexpr (kFast) copy_tile_rows_fixed<kFastCopyPasses, kFastUnits>(kdst, kbase, off, 0, n);
+    else if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16, tc.units);
     else copy_tile_rows<0>(kdst, kbase, off, 0, n, pitch, tc, sh.copy_bytes, tc.units);
     cp_async_commit();
     // V rows of Dv elements (their copy count recomputed here rather than held in a register). The
@@ -557,7 +603,8 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     // rounds on sm_90 at G = 4).
     if (KC == 1 || copy_v) {
       const int vrow_bytes = Dv * int(sizeof(KV));
-      if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16, vrow_bytes / 16);
+      if constexpr (kFast) copy_tile_rows_fixed<kFastCopyPasses, kFastUnits>(vdst, vbase, off, 1, n);
+      else if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16, vrow_bytes / 16);
       else copy_tile_rows<0>(vdst, vbase, off, 1, n, pitch, tc, sh.copy_bytes, vrow_bytes / sh.copy_bytes);
     }
     cp_async_commit();
@@ -601,13 +648,13 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
           compute_qk_chunks<KV, G, TPT, KC>(q, kt + size_t(r) * pitch, d0, D, valid, kscale, s[i]);
         }
         if (valid) {
-          mod.apply(s[i], t0 + r, gcount);
+          if constexpr (!kFast) mod.apply(s[i], t0 + r, gcount);
         } else {
 #pragma unroll
           for (int g = 0; g < G; ++g) s[i][g] = -INFINITY;
         }
       }
-      st.update_softmax(s);
+      st.template update_softmax<kFast>(s);
       if (i0 == 0) {
         cp_async_wait<2 * kDecodeStages - 2>();  // V(c) landed (tile c + kDecodeStages - 1 may fly)
         __syncthreads();                         // ... for everybody
@@ -630,21 +677,28 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   }
   cp_async_wait<0>();  // only empty groups are left; none may be in flight at exit
   __syncthreads();     // the ring is idle: the merge scratch reuses it
+  if constexpr (kFast && sizeof(KV) == 1) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int i = 0; i < VC * 8; ++i) st.acc[g][i] *= cache_vscale;
+    }
+  }
 
   merge_and_store<T, G, TPT, VC>(p, st, reinterpret_cast<float*>(smem), ntg, gpt, G, tg, gcount, sub == 0, d0, head0,
                                  nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
 }
 
 // Head sizes up to 256 (Dk and Dv): one chunk per lane. G heads per token group (1, 2, 4), TPT
-// lanes per token. __launch_bounds__(256, 2): at most 128 registers a thread, so four 128-thread
-// blocks (16 warps, 25% occupancy) are resident per SM.
-template <typename T, typename KV, int TPT, int G>
+// lanes per token; kFast: the plan's fast_path (decode_block). __launch_bounds__(256, 2): at most
+// 128 registers a thread, so four 128-thread blocks (16 warps, 25% occupancy) are resident per SM.
+template <typename T, typename KV, int TPT, int G, bool kFast>
 __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, DecodeShape sh, bool split,
                                                          int partition_size, int num_partitions, float* tmp_out,
                                                          float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  decode_block<T, KV, TPT, G, 1, 1, decode_kernel_rows_per_step<G, KV>()>(p, sh, split, partition_size,
-                                                                          num_partitions, tmp_out, tmp_ml);
+  decode_block<T, KV, TPT, G, 1, 1, decode_kernel_rows_per_step<G, KV>(), kFast>(p, sh, split, partition_size,
+                                                                                 num_partitions, tmp_out, tmp_ml);
 }
 
 // Key heads over 256 (MLA's 576-wide latent): 32 lanes a token, KC chunks of q / K and VC of V per
@@ -655,8 +709,8 @@ __global__ void __launch_bounds__(256, 2) decode_wide_kernel(AttentionParams p, 
                                                               int partition_size, int num_partitions, float* tmp_out,
                                                               float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  decode_block<T, KV, 32, G, KC, VC, decode_wide_kernel_rows_per_step<KV>()>(p, sh, split, partition_size,
-                                                                             num_partitions, tmp_out, tmp_ml);
+  decode_block<T, KV, 32, G, KC, VC, decode_wide_kernel_rows_per_step<KV>(), false>(p, sh, split, partition_size,
+                                                                                    num_partitions, tmp_out, tmp_ml);
 }
 
 // Log-sum-exp merge of the split-KV partials of one (row, query head), in one fixed order (partition
@@ -710,12 +764,16 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
                      pl.num_partitions, tmp_out, tmp_ml);
         PAGED_CHECK_LAUNCH("decode_kernel");
       };
+      auto by_path = [&](auto tpt, auto g) {
+        constexpr int TPT = decltype(tpt)::value, G = decltype(g)::value;
+        if (pl.fast_path) run(decode_kernel<T, KV, TPT, G, true>);
+        else run(decode_kernel<T, KV, TPT, G, false>);
+      };
       auto by_heads = [&](auto tpt) {
-        constexpr int TPT = decltype(tpt)::value;
         switch (pl.heads_per_thread) {
-          case 1: return run(decode_kernel<T, KV, TPT, 1>);
-          case 2: return run(decode_kernel<T, KV, TPT, 2>);
-          default: return run(decode_kernel<T, KV, TPT, kMaxHeadsPerThread>);
+          case 1: return by_path(tpt, std::integral_constant<int, 1>{});
+          case 2: return by_path(tpt, std::integral_constant<int, 2>{});
+          default: return by_path(tpt, std::integral_constant<int, kMaxHeadsPerThread>{});
         }
       };
       if (pl.k_chunks > 1) {  // key heads over 256: plan.h decode_wide_chunks' one shape
