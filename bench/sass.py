@@ -115,7 +115,7 @@ def _merge_floats(ntg: int, gstride: int, d: int) -> int:  # plan.h merge_floats
     return ntg * gstride * (d + 2)
 
 
-def _decode(args):  # decode_kernel<T, KV, TPT, G>, group = G: plan_decode_shape + decode_smem
+def _decode(args):  # decode_kernel<T, KV, TPT, G, kFast>, group = G: plan_decode_shape + decode_smem
     tpt, g, elem = int(args[2]), int(args[3]), _elem(args[1])
     head, threads = 8 * tpt, PLAN["kDecodeThreads"]  # each lane owns 8 dims (lanes_per_token)
     ntg = threads // tpt  # one head tile: every token group serves it
@@ -182,6 +182,14 @@ LAUNCH = [
     ("flash_fwd_splitkv_kernel", lambda a: (128, 81920, "bf16, head 128, 64 x 128 tiles")),
 ]
 ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
+
+
+def path_of(family: str, args: list[str]) -> str:
+    """decode_kernel's two compiled KV loops (its last template argument, plan.h decode_fast_path):
+    'fast' (no soft-cap / ALiBi code, 16-byte copies, power-of-two blocks) or 'general'; '' elsewhere."""
+    if family == "decode_kernel" and args and args[-1] in ("true", "false"):
+        return "fast" if args[-1] == "true" else "general"
+    return ""
 
 
 def launch_of(family: str, args: list[str]):
@@ -446,7 +454,7 @@ def kernel_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY
         instrs = counted(sass.get((arch, mangled), []))
         family, args = split_name(names[mangled])
         row = dict(arch=arch, family=family, args=args, name=names[mangled], mangled=mangled, **usage,
-                   mix=mix(instrs))
+                   mix=mix(instrs), path=path_of(family, args))
         row["hmma_share"] = (row["mix"].get("HMMA", 0) + row["mix"].get("HGMMA", 0)) / max(len(instrs), 1)
         launch, dev = launch_of(family, args), DEVICES.get(arch)
         if launch and dev:
@@ -522,8 +530,9 @@ MIX_COLUMNS = ["HMMA", "HGMMA", "LDSM", "LDGSTS", "TMA", "LDG", "LDS", "STS", "S
 def markdown(rows: list[dict], full: bool = False) -> str:
     """Per family and arch (ranges over its instantiations), or per instantiation with `full`."""
     groups: dict[tuple, list[dict]] = {}
-    for r in sorted(rows, key=lambda r: (r["family"], r["arch"], r["args"])):
-        groups.setdefault((r["arch"], r["family"]) + ((tuple(r["args"]),) if full else ()), []).append(r)
+    for r in sorted(rows, key=lambda r: (r["family"], r.get("path", ""), r["arch"], r["args"])):
+        label = r["family"] + (f" ({r['path']})" if r.get("path") and not full else "")
+        groups.setdefault((r["arch"], label) + ((tuple(r["args"]),) if full else ()), []).append(r)
     head = ["arch", "kernel", "n", "regs", "stack", "local", "smem (st+dyn)", "threads", "occupancy",
             "HMMA %", *MIX_COLUMNS, "loop instr", "loop HMMA", "loop B/warp", "instr/B", "in flight B/warp",
             "rounds", "issue ceiling", "Little ceiling", "chain ceiling", "bound"]
@@ -547,6 +556,99 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                  _rng([lp.get("chain_share") for lp in loops_ if lp.get("chain_share", math.inf) < math.inf], "{:.0%}"),
                  _rng([lp.get("bound_share") for lp in loops_], "{:.0%}")]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- decode calls: a kernel's bound at the grid its plan launches ---------------------------------
+# The issue's decode shapes (bf16, head 128, block 16): (label, num_seqs, seq_len, num_heads, num_kv_heads).
+DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8), ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8),
+                 ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8), ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8)]
+PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
+               "tile_tokens", "smem", "blocks_per_sm", "fast_path")  # csrc/cuda_emu/backend.cpp decode_plan
+
+
+def decode_plan(num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, sms: int, head: int = 128,
+                block: int = 16) -> dict | None:
+    """plan_decode's launch (csrc/kernels/plan.h) for a bf16 decode call on a device of `sms` SMs, by the
+    emulator's hook (None when the cuda_emu backend is not built). The caches are one block: the plan
+    reads only shapes (the block table's width bounds the context)."""
+    import torch  # noqa: PLC0415
+
+    import paged_ops  # noqa: F401, PLC0415
+
+    if not hasattr(torch.ops, "paged_cuda_emu_test") or not hasattr(torch.ops.paged_cuda_emu_test, "decode_plan"):
+        return None
+    t = torch.ops.paged_cuda_emu_test
+    bf = torch.bfloat16
+    cache = torch.zeros(1, block, num_kv_heads, head, dtype=bf)
+    query = torch.zeros(num_seqs, num_heads, head, dtype=bf)
+    tables = torch.zeros(num_seqs, (seq_len + block - 1) // block, dtype=torch.int32)
+    lens = torch.full((num_seqs,), seq_len, dtype=torch.int32)
+    before = t.set_num_sms(sms)
+    try:
+        plan = t.decode_plan(torch.empty_like(query), query, cache, cache, tables, lens, [0] * 5)
+    finally:
+        t.set_num_sms(before)
+    return dict(zip(PLAN_FIELDS, plan))
+
+
+def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int,
+               dev: Device, latency_ns: float, head: int = 128, elem: int = 2) -> dict:
+    """The share of the DRAM peak one decode call reaches by the static model, at its plan's grid:
+    - resident warps per SM: the kernel's occupancy, or fewer when the grid is smaller
+      (CTAs x warps / SMs); the Little and chain ceilings scale with them, the issue ceiling not;
+    - bytes: the KV cache (K and V rows of every token) and, split, the partials the kernel writes
+      and the reduce kernel reads back (2 x rows x heads x partitions x (Dv + 2) floats); q and out are
+      left out;
+    - time: bytes at the steady-state bound, plus one latency per wave of CTAs (the first tiles of
+      a wave wait a whole latency before any byte arrives) and one for the reduce kernel (its loads
+      wait for the decode kernel's stores); launch gaps are left out."""
+    ctas = plan["grid_x"] * plan["grid_y"] * plan["grid_z"]
+    warps_per_cta = plan["threads"] // 32
+    warps = min(row["warps"], ctas * warps_per_cta / dev.sms)
+    lp = row["loop"]
+    steady = min(lp["issue_share"], lp["little_share"] * warps / row["warps"],
+                 lp["chain_share"] * warps / row["warps"], 1.0)
+    kv = num_seqs * num_kv_heads * seq_len * 2 * head * elem
+    workspace = 2 * num_seqs * num_heads * plan["grid_z"] * (head + 2) * 4 if plan["split"] else 0
+    waves = math.ceil(ctas / max(row["blocks"] * dev.sms, 1))
+    seconds = (kv + workspace) / (steady * dev.dram_bytes_s) + latency_ns * 1e-9 * (waves + bool(plan["split"]))
+    return dict(ctas=ctas, warps_per_sm=warps, steady_share=steady, kv_bytes=kv, workspace_bytes=workspace,
+                waves=waves, seconds=seconds, share=kv / dev.dram_bytes_s / seconds)
+
+
+def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS) -> list[dict]:
+    """call_bound of DECODE_SHAPES on an H200, for the sm_90 decode_kernel the plan launches."""
+    dev, out = DEVICES["sm_90"], []
+    for label, seqs, ctx, heads, kv_heads in DECODE_SHAPES:
+        plan = decode_plan(seqs, ctx, heads, kv_heads, dev.sms)
+        if plan is None:
+            return []
+        args = ["__nv_bfloat16", "__nv_bfloat16", "16", str(plan["heads_per_thread"]),
+                "true" if plan["fast_path"] else "false"]
+        row = next((r for r in rows if r["arch"] == "sm_90" and r["family"] == "decode_kernel" and r["args"] == args
+                    and "warps" in r and "issue_share" in r.get("loop", {})), None)
+        if row:
+            out.append(dict(shape=label, kernel=f"decode_kernel<{', '.join(args)}>", plan=plan,
+                            **call_bound(row, plan, seqs, ctx, heads, kv_heads, dev, latency_ns)))
+    return out
+
+
+CALL_NOTE = ("Decode calls: the sm_90 kernel their plan (csrc/kernels/plan.h, by the emulator's decode_plan on "
+             "132 SMs) launches, at the grid it launches: resident warps from the grid, the KV bytes plus the "
+             "split-KV partials written and read back, one latency per wave and one for the reduce kernel "
+             "(bench/sass.py call_bound).\n")
+
+
+def call_markdown(calls: list[dict]) -> str:
+    head = ["decode call (bf16, head 128, block 16)", "kernel", "CTAs", "partition", "warps / SM", "steady bound",
+            "workspace / KV bytes", "waves", "share of 4.8 TB/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c in calls:
+        part = f"{c['plan']['partition_size']} x {c['plan']['grid_z']}" if c["plan"]["split"] else "one pass"
+        lines.append("| " + " | ".join([c["shape"], c["kernel"], str(c["ctas"]), part, f"{c['warps_per_sm']:.1f}",
+                                        f"{c['steady_share']:.0%}", f"{c['workspace_bytes'] / c['kv_bytes']:.1%}",
+                                        str(c["waves"]), f"{c['share']:.0%}"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -584,9 +686,13 @@ def main(argv=None) -> int:
         so = a.so or default_so()
         rows = cached_rows(so, sorted(set(archs) & archs_in(so)), a.latency_ns)
     table = markdown(rows, a.full) + "\n" + model_note(a.latency_ns)
+    calls = [] if a.anchors else decode_call_rows(rows, a.latency_ns)
+    if calls:
+        table += "\n" + call_markdown(calls) + "\n" + CALL_NOTE
     print(table)
     if a.json:
-        Path(a.json).write_text(json.dumps(dict(model=__doc__, latency_ns=a.latency_ns, rows=rows), indent=1))
+        Path(a.json).write_text(json.dumps(dict(model=__doc__, latency_ns=a.latency_ns, rows=rows, calls=calls),
+                                           indent=1))
     if a.md:
         Path(a.md).write_text(table)
     return 0
