@@ -18,7 +18,7 @@ PIP_LINES = """\
   *** scikit-build-core 1.1.2 using CMake 4.4.5 (editable)
   *** Configuring CMake...
   -- The CXX compiler identification is GNU 12.2.0
-  -- paged_ops: CUDA backend ON (mode auto, archs 80-real;86-real;89-real;90)
+  -- paged_ops: CUDA backend ON (mode auto, archs 80-real;89-real;90)
   [0/2] Re-checking globbed directories...
   [3/57] Building CUDA object CMakeFiles/_C.dir/csrc/cuda/decode.cu.o
   [4/57] Building CXX object CMakeFiles/paged_cpu_avx2.dir/csrc/cpu/kernels/attention.cpp.o
@@ -32,7 +32,7 @@ Successfully installed paged-ops-0.1.0
 def test_progress_lines_are_the_stages_and_steps():
     shown = [s for s in map(progress_line, PIP_LINES.splitlines()) if s]
     assert shown == ["*** scikit-build-core 1.1.2 using CMake 4.4.5 (editable)", "*** Configuring CMake...",
-                     "-- paged_ops: CUDA backend ON (mode auto, archs 80-real;86-real;89-real;90)",
+                     "-- paged_ops: CUDA backend ON (mode auto, archs 80-real;89-real;90)",
                      "[3/57] csrc/cuda/decode.cu", "[4/57] csrc/cpu/kernels/attention.cpp (paged_cpu_avx2)", "[56/57] link _C.cpython-311-x86_64-linux-gnu.so",
                      "*** Installing project into wheel...", "Successfully installed paged-ops-0.1.0"]
 
