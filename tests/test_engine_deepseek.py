@@ -3,6 +3,7 @@ form and prefills in the non-absorbed one, and its greedy outputs equal transfor
 token for token under every scheduling regime (tiny random checkpoints: engine.demo.CONFIGS
 "deepseek_v3" / "deepseek_v2", saved with save_pretrained; no hub)."""
 import functools
+import math
 
 import pytest
 import torch
@@ -126,10 +127,14 @@ def test_attention_op_calls(ckpt, op_calls):
 
 
 def test_softmax_scale_is_deepseeks(ckpt):
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
+    # DeepSeek's YaRN mscale, written out (0.1 * mscale_all_dim * ln(factor) + 1, squared into the
+    # scale) rather than imported: transformers 5.25 moved its helper out of the model's module.
     llm = LLM(ckpt("deepseek_v3"), num_kv_blocks=8)
     cfg = llm.runner.config
-    expected = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * yarn_get_mscale(4.0, 1.0) ** 2
+    rope = cfg.rope_parameters
+    assert (rope["factor"], rope["mscale_all_dim"]) == (4.0, 1.0)
+    mscale = 0.1 * rope["mscale_all_dim"] * math.log(rope["factor"]) + 1.0
+    expected = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5 * mscale**2
     assert all(layer.self_attn.scale == pytest.approx(expected) for layer in llm.runner.model.layers)
     assert expected != pytest.approx((cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5)
 
