@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import paged_ops
+from bench.sass import PLAN_FIELDS  # backend.cpp decode_plan
 from paged_ops.testing import assert_close, make_case, nan_like
 
 if "cuda_emu" not in paged_ops.available_backends():  # optional: built only where CUDA's headers are
@@ -18,8 +19,6 @@ if "cuda_emu" not in paged_ops.available_backends():  # optional: built only whe
 
 selftest = torch.ops.paged_cuda_emu_test
 CONFIG_FIELDS = ("threads", "partition_size", "kv_tile", "force_split", "tensor_cores")  # kernels/params.h
-PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
-               "tile_tokens", "smem", "blocks_per_sm", "fast_path")  # backend.cpp decode_plan
 
 
 def config_list(**kw) -> list[int]:
