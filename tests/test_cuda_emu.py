@@ -506,6 +506,43 @@ def test_attention_rules_header():
     selftest.attention_rules()
 
 
+def test_emu_approx_math_is_the_documented_instruction_not_exact_math():
+    """ex2.approx.ftz.f32 (PTX ISA: ex2(-inf) = +0, NaN stays NaN, subnormals flushed) and
+    __fdividef (CUDA programming guide: 0 for 2^126 < |y| < 2^128, else within 2 ulp), modelled
+    stricter than the hardware: never the exact value, so a kernel that relies on exact powers of
+    two or exact quotients fails its tests; tanh_fast (kernels/common.cuh) over them within its
+    stated absolute error."""
+    inf, nan, tiny = float("inf"), float("nan"), 1e-40  # tiny: a float32 subnormal
+    x = torch.tensor([-inf, inf, nan, tiny, 3.0, -1.5, 0.25, -200.0], dtype=torch.float32)
+    ex2, _, _ = selftest.approx_math(x, torch.ones_like(x))
+    assert ex2[0].item() == 0.0 and ex2[1].item() == inf and ex2[2].isnan()
+    assert ex2[-1].item() == 0.0, "a subnormal result is flushed to zero"
+    exact = torch.exp2(x[3:7].double())  # x = tiny reads as 0: 2^0
+    assert (ex2[3:7].double() != exact).all(), "ex2 of an exact power of two must not be exact"
+    assert ((ex2[3:7].double() - exact).abs() / exact).max() < 3e-7
+
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(4096, generator=g) * 100, torch.randn(4096, generator=g) * 10
+    _, quot, _ = selftest.approx_math(a, b)
+    want = a.double() / b.double()
+    assert ((quot.double() - want).abs() / want.abs()).max() < 3e-7
+    assert (quot.double() != want).float().mean() > 0.99, "the quotient is never rounded exactly"
+    big = torch.tensor([2.0 ** 127, -(2.0 ** 127), 2.0 ** 127], dtype=torch.float32)
+    _, quot, _ = selftest.approx_math(torch.tensor([1.0, 3.0, inf]), big)
+    assert quot[0].item() == 0.0 and quot[1].item() == 0.0 and quot[2].isnan()
+
+    xs = torch.cat([torch.linspace(-20, 20, 4001), torch.tensor([-inf, inf, nan, 0.0, 1e-30])])
+    _, _, th = selftest.approx_math(xs, torch.ones_like(xs))
+    err = (th[:-3].double() - torch.tanh(xs[:-3].double())).abs()
+    assert err.max() < 1e-6, f"tanh_fast off by {err.max().item():.2e}"
+    assert abs(th[-5].item() + 1) < 1e-6 and th[-4].item() == 1.0 and th[-3].isnan()  # -1 within __fdividef's 2 ulp
+    small = torch.logspace(-38, -1.3, 400)  # |x| < 1/16 (the series) and past it: relative error
+    small = torch.cat([small, -small])
+    _, _, th = selftest.approx_math(small, torch.ones_like(small))
+    rel = (th.double() - torch.tanh(small.double())).abs() / torch.tanh(small.double()).abs()
+    assert rel.max() < 1e-5, f"tanh_fast off by {rel.max().item():.2e} relatively near 0"
+
+
 def test_emu_atomics_across_blocks():
     count, fsum = selftest.atomics(300, 64)
     assert count == 300 * 64 and fsum == 300 * 64 * 0.5

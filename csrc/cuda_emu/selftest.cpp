@@ -581,6 +581,23 @@ void attention_rules() {
   check_end_row<paged::BaseEF64>("BaseEF64");
 }
 
+// The emulator's approximate math, as the kernels call it (kernels/common.cuh): ex2.approx.ftz
+// (cuda_emu::ex2_approx_ftz), __fdividef and tanh_fast over it, elementwise on float32 x (and y,
+// the divisor): [ex2(x), x / y by __fdividef, tanh_fast(x)].
+std::vector<at::Tensor> approx_math(const at::Tensor& x, const at::Tensor& y) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && x.sizes() == y.sizes(),
+              "approx_math: float32 x and y of one shape");
+  const at::Tensor xc = x.contiguous(), yc = y.contiguous();
+  std::vector<at::Tensor> out = {at::empty_like(xc), at::empty_like(xc), at::empty_like(xc)};
+  const float *xp = xc.data_ptr<float>(), *yp = yc.data_ptr<float>();
+  for (int64_t i = 0; i < xc.numel(); ++i) {
+    out[0].data_ptr<float>()[i] = PAGED_KERNEL_NS::exp2_approx(xp[i]);
+    out[1].data_ptr<float>()[i] = __fdividef(xp[i], yp[i]);
+    out[2].data_ptr<float>()[i] = PAGED_KERNEL_NS::tanh_fast(xp[i]);
+  }
+  return out;
+}
+
 }  // namespace
 
 // A fragment of the test namespace (csrc/cuda_emu/backend.cpp defines it): test-only ops live apart from the backend.
@@ -594,4 +611,5 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("strict(str what) -> Tensor", &strict);
   m.def("set_schedule(str mode) -> ()", &set_schedule);
   m.def("attention_rules() -> ()", &attention_rules);
+  m.def("approx_math(Tensor x, Tensor y) -> Tensor[]", &approx_math);
 }

@@ -1222,7 +1222,24 @@ inline int atomicExch(int* p, int v) { return __atomic_exchange_n(p, v, __ATOMIC
 // Device math intrinsics used by the kernels, with IEEE host equivalents.
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdiv_rn(float a, float b) { return a / b; }
-inline float __fdividef(float a, float b) { return a / b; }
+// __fdividef (CUDA programming guide, "Intrinsic Functions"): for 2^126 < |b| < 2^128 it delivers
+// 0 (NaN when a is infinite), elsewhere a / b within 2 ulp. Modelled stricter than the hardware:
+// those cases exactly, and every other finite nonzero quotient 2 ulp off (toward 0 or infinity by
+// b's last bit), so a kernel that needs the division exact fails its tests.
+inline float __fdividef(float a, float b) {
+  const float big = 0x1p126f;
+  if (std::fabs(b) > big && std::isfinite(b))
+    return std::isinf(a) ? NAN : std::copysign(0.f, a) * std::copysign(1.f, b);
+  const float q = a / b;
+  if (q == 0.f || !std::isfinite(q) || std::fpclassify(q) == FP_SUBNORMAL) return q;
+  uint32_t bits, bb;
+  std::memcpy(&bits, &q, 4);
+  std::memcpy(&bb, &b, 4);
+  bits = (bb & 1u) ? bits + 2u : bits - 2u;  // 2 ulp up or down in magnitude (q normal: stays finite or reaches inf)
+  float z;
+  std::memcpy(&z, &bits, 4);
+  return z;
+}
 inline float __frcp_rn(float a) { return 1.0f / a; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __int_as_float(int i) {

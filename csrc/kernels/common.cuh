@@ -352,6 +352,20 @@ __device__ __forceinline__ float exp2_approx(float x) {
 #endif
 }
 
+// tanh(x) = 1 - 2 / (1 + 2^(2 x log2 e)) by ex2.approx and __fdividef (a few instructions instead
+// of tanhf's polynomial and branches), and x - x^3 / 3 + 2 x^5 / 15 where |x| < 1/16: there the
+// first form's absolute error (a few 1e-7, from the cancellation) would be large beside tanh(x)
+// itself, and the series is within 3e-9 of it relatively (a capped score stays exact in its
+// relative error however large the cap). Exact at the tails (a denominator past 2^126 gives 0:
+// tanh is 1 in fp32 long before), NaN stays NaN. For the 16-bit kernels, whose error budgets
+// dwarf the first form's.
+__device__ __forceinline__ float tanh_fast(float x) {
+  const float x2 = x * x;
+  const float series = x * (1.f - x2 * (1.f / 3.f - x2 * (2.f / 15.f)));
+  const float by_exp = 1.f - __fdividef(2.f, 1.f + exp2_approx(2.f * 1.4426950408889634f * x));
+  return fabsf(x) < 0.0625f ? series : by_exp;
+}
+
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
