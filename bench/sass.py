@@ -147,12 +147,14 @@ def _prefill(args, d=128):  # prefill_kernel<T, KV> (prefill_wide_kernel: head 5
     return threads, smem(bn), f"head {d}, {bn}-key tiles"
 
 
-def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DK, DV>: Q, K[2] of DK, V[2] of DV, 16-bit
+def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DK, DV, kScoreMods>: Q, K of DK, V of DV, 16-bit
     dk = int(args[1])
     dv = int(args[2]) if len(args) > 2 else dk
-    smem = lambda bn: ((PLAN["kTcRows"] + 2 * bn) * dk + 2 * bn * dv) * 2  # noqa: E731 plan.h tc_pipelined_smem
-    kv = 64 if dv <= 128 and smem(64) <= 80 * 1024 else 32  # plan.h tc_pipelined_kv_tile
-    return PLAN["kTcThreads"], smem(kv), f"head {dk}/{dv}, {kv}-key tiles"
+    rows = PLAN["kTcRows"] * (2 if dv <= 128 else 1)  # plan.h tc_pipelined_rows (tc_pipelined_row_frags)
+    smem = lambda bn: ((rows + bn) * dk + bn * dv) * 2  # noqa: E731 plan.h tc_pipelined_smem
+    kv = 64 if dv <= 128 and smem(64) <= 99 * 1024 else 32  # plan.h tc_pipelined_kv_tile (kPrefillMaxSmem)
+    mods = ", soft-cap / ALiBi" if len(args) > 3 and args[3] == "true" else ""
+    return PLAN["kTcThreads"], smem(kv), f"head {dk}/{dv}, {rows} x {kv} tiles{mods}"
 
 
 def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bit elements, head DMAX
@@ -186,9 +188,13 @@ ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
 
 def path_of(family: str, args: list[str]) -> str:
     """decode_kernel's two compiled KV loops (its last template argument, plan.h decode_fast_path):
-    'fast' (no soft-cap / ALiBi code, 16-byte copies, power-of-two blocks) or 'general'; '' elsewhere."""
+    'fast' (no soft-cap / ALiBi code, 16-byte copies, power-of-two blocks) or 'general';
+    prefill_tc_pipelined_kernel's two (kScoreMods, plan.h score_mods): 'plain' (the scores take one
+    multiply) or 'score mods' (soft-cap / ALiBi); '' elsewhere."""
     if family == "decode_kernel" and args and args[-1] in ("true", "false"):
         return "fast" if args[-1] == "true" else "general"
+    if family == "prefill_tc_pipelined_kernel" and len(args) == 4:  # its kScoreMods instance or the plain one
+        return "score mods" if args[-1] == "true" else "plain"
     return ""
 
 

@@ -124,6 +124,38 @@ def test_unaligned_value_view_takes_the_general_kernel(target):
     check_unwritten(case, TC, True, target, window_left=17)
 
 
+def _ldmatrix_count(case, out, **variants) -> int:
+    """The emulator's ldmatrix instructions in one forced tensor-core prefill: > 0 only for the
+    pipelined kernel (the general one builds its fragments by 32-bit loads)."""
+    selftest = torch.ops.paged_cuda_emu_test
+    selftest.ldmatrix_stats(True)
+    selftest.prefill_attention_config(*case.prefill_args(out), TC)
+    return selftest.ldmatrix_stats(True)[0]
+
+
+@pytest.mark.skipif("emu" not in TARGETS, reason="which kernel ran: the emulator's ldmatrix count")
+@pytest.mark.parametrize("view", ["aligned", "query_rows_off_16_bytes", "out_rows_off_4_bytes"])
+def test_pipelined_kernel_takes_aligned_query_and_out_views_only(view):
+    """plan.h: the pipelined kernel copies Q rows by 16-byte cp.async and writes out by element
+    pairs; a query view whose rows start 8 bytes off 16, or an out view whose rows start 2 bytes off
+    4, takes the general tensor-core kernel instead, and both are right."""
+    case = case_of(128, 128, dtype=F16, group=4, seed=31)
+    if view == "query_rows_off_16_bytes":
+        q = case.query
+        wide = torch.full((*q.shape[:2], q.shape[2] + 4), float("nan"), dtype=q.dtype)
+        wide[..., 4:] = q
+        case.query = wide[..., 4:]
+        assert case.query.data_ptr() % 16 == 8
+    out = case.new_out()
+    if view == "out_rows_off_4_bytes":
+        wide = torch.full((*out.shape[:2], out.shape[2] + 1), float("nan"), dtype=out.dtype)
+        out = wide[..., 1:]
+        assert out.data_ptr() % 4 == 2
+    instructions = _ldmatrix_count(case, out)
+    assert_close(out, case.reference_prefill(), case.dtype)
+    assert (instructions > 0) == (view == "aligned"), f"{view}: {instructions} ldmatrix instructions"
+
+
 @pytest.mark.parametrize("dk,dv", [(192, 128), (256, 8), (576, 512)])
 def test_value_view_of_the_key_cache(target, dk, dv):
     """Absorbed MLA's layout at each kernel: value_cache = key_cache[..., :dv], one KV head."""

@@ -25,8 +25,10 @@ TARGETS = cuda_targets()  # the target fixture's values (tests/conftest.py)
 if not TARGETS:
     pytest.skip("neither the cuda_emu backend nor a GPU with the cuda backend", allow_module_level=True)
 
-# kernels/plan.h: the tensor-core kernel's row tile; the CUDA-core kernel's is threads / 8.
-TC_ROWS = 64
+# kernels/plan.h: the tensor-core kernel's row tile at the fp16 head 64 of the tests below (the
+# pipelined kernel's tc_pipelined_rows: 4 warps x 2 fragments of 16 rows); the CUDA-core kernel's is
+# threads / 8.
+TC_ROWS = 128
 # LaunchConfig order: [threads, partition_size, kv_tile, force_split, tensor_cores].
 TC = [0, 0, 0, 0, 1]
 CUDA_CORES = [0, 0, 0, 0, -1]

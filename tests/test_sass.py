@@ -37,16 +37,22 @@ TARGETS = {
 # the A100's 164 KB of shared memory), 0.19-1.02 loop instructions per byte (1.0 are fp8 caches
 # on sm_80, converted in software), static bound on sm_90 22-35% of 4.8 TB/s: the report's
 # dependent-load chain (8-14 rounds per step-loop iteration) is what caps it, issue 50-104%,
-# Little 422%+. prefill_tc_kernel HMMA 0.5-2.1%; prefill_tc_pipelined_kernel (cp.async +
-# ldmatrix, FA2's structure) 1.1-1.7%, against FlashInfer's 8.7-8.9% measured by this tool: the
-# target is not met. Both tensor-core kernels keep a 64-128 B stack frame: the local array of the
-# cold add-back of non-finite V rows, which ptxas reports as 0 bytes of spill stores; it is held
-# to that size here, so a real spill on top of it still fails.
+# Little 422%+. prefill_tc_kernel (the general tensor-core kernel: fp8 caches, odd views) HMMA
+# 0.5-2.1%, its 64 B stack frame the local array of the cold add-back of non-finite V rows (0 bytes
+# of spill stores by ptxas). prefill_tc_pipelined_kernel (cp.async + ldmatrix, FA2's structure and
+# schedule, 128-row tiles at value heads <= 128) is compiled twice per head tile (bench/sass.py
+# path_of): 'plain' 6.1-12.6% HMMA (<T, 128, 128, plain>, the issue's shape: 10.5-10.6%, the
+# target met; 64: 7.0%, 256: 6.1-6.2%, DeepSeek's 192 / 128: 12.5-12.6%), 'score mods' (soft-cap /
+# ALiBi) 4.2-8.6%, against FlashInfer's 8.7-8.9% measured by this tool. Its stack frame is 128 B of
+# the add-back's array plus, at 128-row tiles, ptxas' spills of loop-invariant scalars beside 192
+# registers of accumulators and scores (FA2's flash_fwd_kernel at this tile keeps 64-192 B): 32-304 B
+# in all, 255 registers; the no-spill target is not met there.
 CURRENT = {
     "decode_kernel": dict(max_regs=128, min_occupancy=0.1875, max_instr_per_byte=1.05, min_bandwidth_bound=0.2,
                           max_spill_bytes=0),
     "prefill_tc_kernel": dict(min_hmma_share=0.004, max_spill_bytes=64),
-    "prefill_tc_pipelined_kernel": dict(min_hmma_share=0.01, max_spill_bytes=128),
+    "prefill_tc_pipelined_kernel (plain)": dict(min_hmma_share=0.058, max_spill_bytes=288),
+    "prefill_tc_pipelined_kernel (score mods)": dict(min_hmma_share=0.04, max_spill_bytes=304),
 }
 
 # decode_kernel is compiled twice per shape (bench/sass.py path_of): the fast path (plan.h
@@ -65,7 +71,8 @@ ENFORCED = {
     "decode_kernel (general)": CURRENT["decode_kernel"],
     "decode_kernel (fast)": FAST_PATH,
     "prefill_tc_kernel": CURRENT["prefill_tc_kernel"],
-    "prefill_tc_pipelined_kernel": CURRENT["prefill_tc_pipelined_kernel"],
+    "prefill_tc_pipelined_kernel (plain)": CURRENT["prefill_tc_pipelined_kernel (plain)"],
+    "prefill_tc_pipelined_kernel (score mods)": CURRENT["prefill_tc_pipelined_kernel (score mods)"],
 }
 
 
@@ -129,6 +136,19 @@ def test_thresholds(rows, family):
         if r["arch"] == "sm_90" and bound < lim.get("min_bandwidth_bound", 0):
             bad.append(f"{where}: static bandwidth bound {bound:.0%} of 4.8 TB/s < {lim['min_bandwidth_bound']:.0%}")
     assert not bad, "\n".join(bad)
+
+
+def test_pipelined_prefill_meets_the_hmma_target_at_the_issue_shape(rows):
+    """Issue #23 item 3's static target (TARGETS: tensor-core instructions >= 9% of the kernel's),
+    held on the pipelined kernel at the anchors' shape: fp16 / bf16, head 128, no soft-cap or ALiBi,
+    on every arch the build carries (10.5-10.6% at this build)."""
+    lim = TARGETS["prefill_tc_pipelined_kernel"]
+    mine = [r for r in rows
+            if r["family"] == "prefill_tc_pipelined_kernel" and r["args"][1:] == ["128", "128", "false"]]
+    assert {r["arch"] for r in mine} == {r["arch"] for r in rows}, "the head-128 plain instance on every arch"
+    low = [f"{r['arch']} {r['name']}: HMMA {r['hmma_share']:.2%}" for r in mine
+           if r["hmma_share"] < lim["min_hmma_share"]]
+    assert not low, "\n".join(low)
 
 
 def test_decode_fast_path_meets_the_issue_targets_on_16_bit_and_fp32_caches(rows):

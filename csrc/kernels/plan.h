@@ -280,16 +280,22 @@ constexpr int kTcRows = 64, kTcKv = 32, kTcThreads = 128;
 // the 255 registers a thread has, so a tensor-core kernel there would have to split the value
 // columns across warps or blocks (P shared through shared memory, or Q K^T recomputed per slice).
 constexpr int kTcMaxHeadSize = 256;
-// The pipelined kernel's shared memory: Q [kTcRows] and K[2] [bn] rows of dk elements, V[2] [bn]
-// rows of dv, 16-bit.
+// The pipelined kernel's row fragments (16 packed rows each) per warp: two where the lane's
+// accumulators (dv / 4 per fragment) leave room beside its scores (dv <= 128: 2 x 64 at dv 128
+// beside 2 x 32 scores), one at dv 256; its rows per tile, 4 warps' worth.
+constexpr int tc_pipelined_row_frags(int dv) { return dv <= 128 ? 2 : 1; }
+constexpr int tc_pipelined_rows(int dv) { return kTcRows * tc_pipelined_row_frags(dv); }
+// Its shared memory: Q [rows] and K [bn] rows of dk elements, V [bn] rows of dv, 16-bit (one
+// buffer each: V loads during Q K^T, the next K during P V).
 constexpr size_t tc_pipelined_smem(int dk, int dv, int bn) {
-  return (size_t(kTcRows + 2 * bn) * dk + size_t(2 * bn) * dv) * 2;
+  return (size_t(tc_pipelined_rows(dv) + bn) * dk + size_t(bn) * dv) * 2;
 }
-// Its KV tile for key / value tiles dk, dv: 64 keys where o's accumulators (dv / 2 per lane) fit
-// beside 64 keys' scores (at dv 256, 128 accumulators and 32 scores spill on sm_80) and two blocks
-// still fit an A100 SM (80 KB each); else 32: (256, 256), and DeepSeek's (192, 128), 104 KB at 64.
+// Its KV tile for key / value tiles dk, dv: 64 keys where o's accumulators fit beside 64 keys'
+// scores (at dv 256, 128 accumulators and 32 scores spill on sm_80) and the tiles fit the smallest
+// per-block opt-in shared memory of the GPUs built for (kPrefillMaxSmem: 64 KB at (128, 128), two
+// blocks on an A100 SM; 88 KB at DeepSeek's (192, 128)); else 32: (256, 256).
 constexpr int tc_pipelined_kv_tile(int dk, int dv) {
-  return dv <= 128 && tc_pipelined_smem(dk, dv, 64) <= 80 * 1024 ? 64 : 32;
+  return dv <= 128 && tc_pipelined_smem(dk, dv, 64) <= kPrefillMaxSmem ? 64 : 32;
 }
 
 struct PrefillPlan {
@@ -297,6 +303,9 @@ struct PrefillPlan {
   // Tensor cores on a cache of the query's dtype whose rows all start 16-byte aligned:
   // prefill_tc_pipelined_kernel (K/V by 16-byte cp.async); fp8 caches and odd views take prefill_tc_kernel.
   bool pipelined;
+  // The soft-cap or ALiBi is on: the pipelined kernel's kScoreMods instance (without them its
+  // scores take one multiply).
+  bool score_mods;
   int threads;
   int rows;           // packed (query, head) rows per tile (BM)
   int kv_tile;        // KV tokens per shared-memory tile (BN)
@@ -335,9 +344,14 @@ inline PrefillPlan plan_prefill(const AttentionParams& p, const LaunchConfig& cf
     pl.kv_tile = kTcKv;
     pl.head_tile = dk <= 64 ? 64 : dk <= 128 ? 128 : 256;
     pl.value_tile = pl.head_tile;
-    pl.pipelined = p.cache_dtype == p.dtype && key_cache_aligned(p) && value_cache_aligned(p);
+    // The pipelined kernel takes aligned views only: Q rows by 16-byte copies, out by element pairs.
+    pl.pipelined = p.cache_dtype == p.dtype && key_cache_aligned(p) && value_cache_aligned(p) &&
+                   chunk_aligned(p.query, p.dtype, {p.q_stride_token, p.q_stride_head}) &&
+                   aligned_to(p.out, 2, {p.o_stride_token, p.o_stride_head}, 4);
     if (pl.pipelined) {
       if (dk > 128 && dk <= 192 && dv <= 128) pl.head_tile = 192, pl.value_tile = 128;
+      pl.rows = tc_pipelined_rows(pl.value_tile);
+      pl.score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
       pl.kv_tile = tc_pipelined_kv_tile(pl.head_tile, pl.value_tile);
       pl.smem = tc_pipelined_smem(pl.head_tile, pl.value_tile, pl.kv_tile);
     } else {

@@ -1,8 +1,9 @@
 // Varlen paged prefill attention: three kernels over the same row tiling. The CUDA-core kernel
 // (prefill_kernel: any dtype, fp32 queries always); the tensor-core kernels for fp16/bf16 queries:
-// prefill_tc_pipelined_kernel (a cache of the query's dtype with 16-byte aligned rows: cp.async,
-// swizzled shared memory, ldmatrix, FlashAttention-2's structure; see its comment, also for sm_90)
-// and prefill_tc_kernel (the general one: fp8 caches, odd views; synchronous staging through float).
+// prefill_tc_pipelined_kernel (a cache of the query's dtype, aligned cache, query and out rows:
+// cp.async, swizzled shared memory, ldmatrix, FlashAttention-2's structure; see its comment, also
+// for sm_90) and prefill_tc_kernel (the general one: fp8 caches, odd views; synchronous staging
+// through float).
 // Keys and values may differ in head size (MLA): Q and K rows have Dk = head_size, V rows and out
 // Dv = value_head_size <= Dk, and value_cache may view key_cache's own storage (only read). The
 // tensor-core kernels take Dk <= 256 (plan.h kTcMaxHeadSize); the CUDA-core kernel up to 576.
@@ -58,12 +59,17 @@ namespace prefill {
 // qk_mul (the scale, times log2 e unless capped, since the cap applies to the natural-log score);
 // then s = softcap * tanh(s / softcap) becomes cap_log2 * tanh(s * inv_cap), and the bias
 // slope * (j - pos) is added as slope_log2 * (j - pos) (slope_log2 = 0 without alibi_slopes).
+// kFastTanh: tanh_fast (the pipelined tensor-core kernel) instead of tanhf.
 struct ScoreMod {
   float qk_mul, cap_log2, inv_cap;
 
-  __device__ __forceinline__ float operator()(float s, float slope_log2, int distance) const {
-    if (cap_log2 > 0.f) s = cap_log2 * tanhf(s * inv_cap);
+  template <bool kFastTanh = false>
+  __device__ __forceinline__ float apply(float s, float slope_log2, int distance) const {
+    if (cap_log2 > 0.f) s = cap_log2 * (kFastTanh ? tanh_fast(s * inv_cap) : tanhf(s * inv_cap));
     return s + slope_log2 * float(distance);
+  }
+  __device__ __forceinline__ float operator()(float s, float slope_log2, int distance) const {
+    return apply(s, slope_log2, distance);
   }
 };
 
@@ -279,26 +285,34 @@ __global__ void __launch_bounds__(256, 1) prefill_wide_kernel(AttentionParams p,
 // per n-tile. V is read again from the cache (rare: only a tile that held a value back).
 // One key per iteration, not unrolled, so the rare path stays small in the kernel's code: the
 // key's probabilities are read from a copy of s indexed at run time (local memory, here only);
-// s itself is indexed by constants everywhere, so it stays in registers.
+// s itself is indexed by constants everywhere, so it stays in registers. MT: the lane's row
+// fragments (16 rows each), which share each key's value loads.
 // Warp-uniform loop bounds: the shuffles see the full warp.
-template <int NT_S, int NT_O, typename KV>
-__device__ __forceinline__ void add_back_nonfinite_v(float (&o)[NT_O][4], const float (&s)[NT_S][4],
+template <int MT, int NT_S, int NT_O, typename KV>
+__device__ __forceinline__ void add_back_nonfinite_v(float (&o)[MT][NT_O][4], const float (&s)[MT][NT_S][4],
                                                      const PagedKV<KV>& V, int kv0, int n, int D,
-                                                     const KeyRange (&keys)[2], KeyRange seen_by_all) {
+                                                     const KeyRange (&keys)[MT][2], KeyRange seen_by_all) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  float ps[NT_S * 4];
+  float ps[MT][NT_S * 4];
 #pragma unroll
-  for (int nt = 0; nt < NT_S; ++nt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) ps[nt * 4 + i] = s[nt][i];
+    for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ps[mt][nt * 4 + i] = s[mt][nt][i];
 #pragma unroll 1
   for (int c = 0; c < n; ++c) {
     const int tok = kv0 + c;
     if (seen_by_all.contains(tok)) continue;  // its values were staged as they are (warp-uniform)
     // Key c is column 2 t' + e of n-tile c / 8 in quad lane t' = (c % 8) / 2, element e = c % 2;
-    // s[nt][e] is row g's, s[nt][2 + e] row g + 8's.
+    // s[mt][nt][e] is row g's, s[mt][nt][2 + e] row g + 8's.
     const int src = (lane & ~3) | ((c % 8) / 2), at = (c / 8) * 4 + c % 2;
-    const float pr[2] = {__shfl_sync(kFullMask, ps[at], src), __shfl_sync(kFullMask, ps[at + 2], src)};
+    float pr[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      pr[mt][0] = __shfl_sync(kFullMask, ps[mt][at], src);
+      pr[mt][1] = __shfl_sync(kFullMask, ps[mt][at + 2], src);
+    }
     const KV* vrow = V.row(tok);
 #pragma unroll
     for (int ot = 0; ot < NT_O; ++ot) {
@@ -308,12 +322,20 @@ __device__ __forceinline__ void add_back_nonfinite_v(float (&o)[NT_O][4], const 
           const float v = to_float(vrow[ot * 8 + 2 * t + k]);
           if (fabsf(v) < INFINITY) continue;  // finite: the mma has it
 #pragma unroll
-          for (int h = 0; h < 2; ++h)
-            if (keys[h].contains(tok)) o[ot][2 * h + k] += pr[h] * v;
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              if (keys[mt][h].contains(tok)) o[mt][ot][2 * h + k] += pr[mt][h] * v;
         }
       }
     }
   }
+}
+
+// A lane's arrays of one row fragment as the [1]-fragment arrays the MT-wide stages take.
+template <typename A>
+__device__ __forceinline__ A (&one_frag(A& a))[1] {
+  return reinterpret_cast<A(&)[1]>(a);
 }
 
 // ---- stages shared by the two tensor-core kernels (one lane: packed rows r0 and r0 + 8 of its
@@ -336,33 +358,41 @@ __device__ __forceinline__ void lane_rows(const AttentionParams& p, int r0, int 
 }
 
 // update_softmax's second half: the quad's row maxima mx of this tile's (modified, log2-domain)
-// scores join the running max m, s becomes P = exp2(s - m) (a hidden -inf score 0, NaN stays NaN),
-// the running sums l take the tile's row sums; alpha: the factor the accumulators are rescaled by.
-template <int NT_S>
+// scores join the running max m, s becomes P = exp2(s - m), the running sums l take the tile's row
+// sums; alpha: the factor the accumulators are rescaled by. By ex2.approx (exp2_approx): ex2(-inf)
+// = +0 makes a hidden -inf score 0 with no test, once the base of a row without a finite score is
+// 0 rather than -inf (-inf - -inf would be NaN); NaN stays NaN.
+// kQuadSums: l holds the rows' sums (each lane of the quad the same); else each lane's own share of
+// them, summed across the quad once, at the end (FlashAttention-2's deferred row sum: two shuffles
+// per row and tile fewer).
+template <int NT_S, bool kQuadSums = true>
 __device__ __forceinline__ void update_row_states(float (&s)[NT_S][4], float (&mx)[2], float (&m)[2],
                                                   float (&l)[2], float (&alpha)[2]) {
-  float rs[2] = {0.f, 0.f};
+  float rs[2] = {0.f, 0.f}, base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
     const float mn = fmaxf(m[h], mx[h]);
-    alpha[h] = mn == -INFINITY ? 1.f : exp2f(m[h] - mn);  // -inf - -inf would be NaN
+    base[h] = mn == -INFINITY ? 0.f : mn;
+    alpha[h] = exp2_approx(m[h] - base[h]);  // 0 while m = -inf: o and l are 0 then (or NaN, which stays)
     m[h] = mn;
   }
 #pragma unroll
   for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float pr = s[nt][i] == -INFINITY ? 0.f : exp2f(s[nt][i] - m[i / 2]);  // NaN stays NaN
+      const float pr = exp2_approx(s[nt][i] - base[i / 2]);
       s[nt][i] = pr;
       rs[i / 2] += pr;
     }
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    rs[h] += __shfl_xor_sync(kFullMask, rs[h], 1);
-    rs[h] += __shfl_xor_sync(kFullMask, rs[h], 2);
+    if constexpr (kQuadSums) {
+      rs[h] += __shfl_xor_sync(kFullMask, rs[h], 1);
+      rs[h] += __shfl_xor_sync(kFullMask, rs[h], 2);
+    }
     l[h] = l[h] * alpha[h] + rs[h];
   }
 }
@@ -567,34 +597,146 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         }
       }
       if (add_back)
-        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
+        add_back_nonfinite_v(one_frag(o), one_frag(s), V, kv0, min(BN, kv_end - kv0), Dv, one_frag(keys),
+                             seen_by_all);
     }
 
     store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, Dv, vscale, query_of, head_of);
   }
 }
 
+// The pipelined kernel's store: the lane's 2 MT rows (r0 + 16 mt + 8 h) normalised (finish_row:
+// sink, lse; l the lane's shares of the row sums), their multipliers found in one rolled loop
+// (finish_row's code once, not per row: the row's m and l picked by constant-index selects, so they
+// stay in registers), then written as element pairs, one 32-bit store each (the plan takes out
+// views whose rows hold aligned pairs).
+template <typename T, int MT, int NT_O, typename QueryOf, typename HeadOf>
+__device__ __forceinline__ void store_rows_paired(const AttentionParams& p, const float (&o)[MT][NT_O][4],
+                                                  const float (&m)[MT][2], const float (&l)[MT][2], int r0,
+                                                  int nrows, int q0, int head0, int D, float vscale,
+                                                  const QueryOf& query_of, const HeadOf& head_of) {
+  const int t = threadIdx.x % 4;
+  // l: each lane's share of its rows' sums (update_row_states<..., false>), summed across the quad.
+  float lq[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      lq[mt][h] = l[mt][h] + __shfl_xor_sync(kFullMask, l[mt][h], 1);
+      lq[mt][h] += __shfl_xor_sync(kFullMask, lq[mt][h], 2);
+    }
+  float mul[MT][2];
+#pragma unroll 1
+  for (int k = 0; k < 2 * MT; ++k) {
+    float mk = m[0][0], lk = lq[0][0];
+#pragma unroll
+    for (int i = 1; i < 2 * MT; ++i)
+      if (k == i) mk = m[i / 2][i % 2], lk = lq[i / 2][i % 2];
+    const int r = r0 + 16 * (k / 2) + 8 * (k % 2);
+    // The quad's 4 lanes hold the same m and l; lane t = 0 writes lse.
+    const float mk_mul =
+        r < nrows ? finish_row(p, mk, lk, q0 + query_of(r), head0 + head_of(r), t == 0) * vscale : 0.f;
+#pragma unroll
+    for (int i = 0; i < 2 * MT; ++i)
+      if (k == i) mul[i / 2][i % 2] = mk_mul;
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r0 + 16 * mt + 8 * h;
+      if (r < nrows) {
+        uint32_t* out = reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + (q0 + query_of(r)) * p.o_stride_token +
+                                                    (head0 + head_of(r)) * p.o_stride_head + 2 * t);
+#pragma unroll
+        for (int nt = 0; nt < NT_O; ++nt)
+          if (nt * 8 < D) out[nt * 4] = pack2<T>(o[mt][nt][2 * h] * mul[mt][h], o[mt][nt][2 * h + 1] * mul[mt][h]);
+      }
+    }
+  }
+}
+
+// add_back_nonfinite_v of the pipelined kernel (a 16-bit cache of 16-byte aligned rows), from P as
+// the mma took it (pa: the A fragments of P V's k-steps, 16-bit pairs; no float copy of the scores
+// stays live across P V): each key's value pairs by one 32-bit load, tested on the raw bits
+// (exponent all ones: inf or NaN), the key's visibility to the lane's rows decided once per key.
+// (A probability that rounds to 0 in the 16-bit P makes 0 * inf = NaN, as the mma would.)
+template <typename T, int MT, int KK, int NT_O>
+__device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O][4], const uint32_t (&pa)[MT][KK][4],
+                                                            const PagedKV<T>& V, int kv0, int n, int D,
+                                                            const KeyRange (&keys)[MT][2], KeyRange seen_by_all) {
+  constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
+  const int lane = threadIdx.x % 32, t = lane % 4;
+  uint32_t ps[MT][KK * 4];  // indexed at run time: local memory, here only
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ps[mt][kk * 4 + i] = pa[mt][kk][i];
+#pragma unroll 1
+  for (int c = 0; c < n; ++c) {
+    const int tok = kv0 + c;
+    if (seen_by_all.contains(tok)) continue;  // its values were staged as they are (warp-uniform)
+    // Key c is element e = c % 2 of the pair of quad lane t' = (c % 8) / 2 in register
+    // 2 ((c / 8) % 2) + h of k-step c / 16 (mma.cuh's A layout; h: row g or g + 8).
+    const int src = (lane & ~3) | ((c % 8) / 2), at = (c / 16) * 4 + 2 * ((c / 8) % 2);
+    float pr[MT][2];
+    bool sees[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        pr[mt][h] = unpack_half<T>(__shfl_sync(kFullMask, ps[mt][at + h], src), c % 2);
+        sees[mt][h] = keys[mt][h].contains(tok);
+      }
+    const uint32_t* vrow = reinterpret_cast<const uint32_t*>(V.row(tok)) + t;
+#pragma unroll
+    for (int ot = 0; ot < NT_O; ++ot) {
+      if (ot * 8 < D) {
+        const uint32_t w = vrow[ot * 4];
+        if ((w & kExp) != kExp && (w >> 16 & kExp) != kExp) continue;  // both finite: the mma has them
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          const float v = unpack_half<T>(w, k);
+          if (fabsf(v) < INFINITY) continue;
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              if (sees[mt][h]) o[mt][ot][2 * h + k] += pr[mt][h] * v;
+        }
+      }
+    }
+  }
+}
+
 // ---- Tensor-core kernel, FlashAttention-2's structure (16-bit caches, 16-byte aligned views) ---
-// For a cache of the query's dtype whose every row is 16-byte aligned (plan.pipelined), per row tile
-// of 64 packed rows (4 warps x 16) and KV tiles of 64 keys (32 at value tile 256 and at (192, 128):
-// plan.h tc_pipelined_kv_tile):
-//  * K and V tiles go by 16-byte cp.async straight from the paged cache into shared memory, double
-//    buffered: the next tile's K and V (two commit groups) load while this tile computes;
+// For a cache of the query's dtype and query / out views whose rows are aligned (plan.pipelined:
+// 16-byte K, V and Q rows, out rows of aligned element pairs), per row tile of plan.h
+// tc_pipelined_rows packed rows (4 warps x MT fragments of 16: 128 rows at value tiles <= 128, 64 at
+// 256) and KV tiles of 64 keys (32 at value tile 256: plan.h tc_pipelined_kv_tile):
+//  * Q, K and V tiles go by 16-byte cp.async straight from the query and the paged cache into shared
+//    memory, FlashAttention-2's schedule with one buffer each: V of tile i loads while Q K^T of tile
+//    i runs, K of tile i + 1 while P V of tile i (two commit groups per tile, copy loops rolled:
+//    cp.async holds no register in flight);
 //  * shared-memory rows of DK (Q, K) or DV (V) elements, 16-byte chunk c of row r stored at chunk
 //    c ^ (r % 8) (swizzled_offset; DK, DV multiples of 64, so a row's chunks stay in it and every
 //    row starts on bank group 0): the 8 rows of every 8x8 matrix ldmatrix reads are 8 consecutive
 //    rows of one logical chunk, so they fall in 8 distinct bank groups (conflict-free by
 //    construction, counted by the emulator: tests/test_emu_ldmatrix.py), and so do the 16-byte
 //    cp.async writes of 8 lanes;
-//  * fragments by ldmatrix: Q's (A) once per row tile, kept in registers for the whole KV loop when
-//    DK <= 128 (at 256 they would not fit beside the 128 accumulators, at 192 they would take 48
-//    registers beside 64: re-read per k-step),
-//    K's non-transposed (QK^T's B), V's by .trans (P V's B);
-//  * the mask (causal diagonal, window edges, the sequence's end) only on the tiles that hold a key
-//    hidden from some row of the tile; the others apply just the score modifiers.
+//  * fragments by ldmatrix: Q's (A) once per row tile, kept in registers for the whole KV loop where
+//    they are few (MT x DK <= 128), else re-read per k-step; K's non-transposed (Q K^T's B), V's by
+//    .trans (P V's B), each fragment feeding the warp's MT row fragments; P stays in registers (the
+//    scores' C layout is P V's A layout), 16-bit once the softmax is done;
+//  * the tile's compute compiled twice (tile_step): edge tiles (a key hidden from some row of the
+//    tile: the causal diagonal, window edges, the sequence's end) with the mask and the non-finite
+//    V hold-back, interior tiles with neither; softmax by ex2.approx, row sums summed across the
+//    quad once at the end; the soft-cap and ALiBi only in the kScoreMods instances.
 // A non-finite V of a key hidden from some row cannot be kept from the copy as the general kernel
 // does; on edge tiles only, it is zeroed in shared memory after the copy lands and added back to the
-// rows that see it (add_back_nonfinite_v), as there.
+// rows that see it (add_back_nonfinite_v_paired).
 // sm_90: this is the Ampere (mma.sync) structure. A wgmma / TMA path is not written: on Hopper the
 // Triton prefill (wgmma) is the choice, and the tuner times cuda against triton per shape (issue #23
 // item 6).
@@ -644,15 +786,22 @@ struct CopyGrid {
 // DK: the Q / K tile width (the key head size rounded up), DV: V's and the accumulators' (>= the
 // value head size): (64, 64), (128, 128), (256, 256), and (192, 128) for DeepSeek's non-absorbed
 // prefill (keys 128 + 64 RoPE, values 128), whose value side costs what 128's does.
-template <typename T, int DK, int DV>
+// kScoreMods: the soft-cap or ALiBi is on (a compile-time variant: without it the scores take one
+// multiply, no tanh and no bias in the kernel's code). Each warp owns MT = plan.h
+// tc_pipelined_row_frags(DV) fragments of 16 packed rows (two where the accumulators fit, so every
+// K / V fragment read from shared memory feeds MT mma and the tile's copies and masks serve twice
+// the rows).
+template <typename T, int DK, int DV, bool kScoreMods>
 __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionParams p, int64_t row_tiles) {
   PAGED_LAUNCH_BOUNDS_CHECK(128);
   static_assert(DV <= DK && DK % 64 == 0 && DV % 64 == 0, "swizzled rows: chunk ^ (row % 8) stays in the row");
-  constexpr int BM = kTcRows, BN = tc_pipelined_kv_tile(DK, DV);
+  constexpr int MT = tc_pipelined_row_frags(DV), BM = tc_pipelined_rows(DV), BN = tc_pipelined_kv_tile(DK, DV);
   constexpr int NT_O = DV / 8, KS_MAX = DK / 16, NT_S = BN / 8;
   using KGrid = CopyGrid<DK / 8>;  // 16-byte chunks per Q / K shared-memory row
   using VGrid = CopyGrid<DV / 8>;  // ... per V row
-  constexpr bool kQInRegisters = DK <= 128;
+  // Q's fragments stay in registers for the whole KV loop where they are few (MT x DK / 4 per
+  // lane <= 32); else they are re-read per k-step: beside the accumulators they would spill.
+  constexpr bool kQInRegisters = MT * DK <= 128;
   const int64_t seq = blockIdx.x / row_tiles;
   const int64_t slot = blockIdx.x % row_tiles;
   const int kvh = blockIdx.y;
@@ -663,14 +812,19 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   const int seq_len = p.seq_lens[seq];
   // D: the key head size (Q, K rows), Dv the value's (V rows, out; <= D). A value_cache that views
   // key_cache's first Dv columns is copied from its own rows like any other: cp.async only reads.
-  const int D = int(p.head_size), Dp = (D + 15) / 16 * 16, data_chunks = D / 8, used_chunks = Dp / 8;
-  const int Dv = int(p.value_head_size), v_data_chunks = Dv / 8, v_used_chunks = (Dv + 15) / 16 * 2;
+  // Every chunk of a Q, K or V tile row past the head's data is zero, so the mma's k-steps and
+  // n-tiles run over the whole tile with no per-step test: zeros add nothing to Q K^T, and the
+  // columns of o past Dv are never stored.
+  const int D = int(p.head_size), data_chunks = D / 8;
+  const int Dv = int(p.value_head_size), v_data_chunks = Dv / 8;
 
-  // [BM] Q rows, then K[2] tiles of BN rows of DK 16-bit elements, then V[2] of BN rows of DV, swizzled.
-  PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + 2 * BN) * DK + size_t(2 * BN) * DV);
-  auto k_tile = [&](int buf) { return sm + (BM + buf * BN) * DK; };
-  auto v_tile = [&](int buf) { return sm + (BM + 2 * BN) * DK + buf * BN * DV; };
+  // [BM] Q rows, then a K tile of BN rows of DK 16-bit elements, then a V tile of BN rows of DV,
+  // swizzled (plan.h tc_pipelined_smem).
+  PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + BN) * DK + size_t(BN) * DV);
+  T* const Kt = sm + BM * DK;
+  T* const Vt = sm + (BM + BN) * DK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int warp_row0 = warp * 16 * MT;  // the warp's first packed row in the tile
   // This thread's chunks of the rows it copies.
   const KGrid kgrid;
   const VGrid vgrid;
@@ -680,8 +834,6 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
       score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh));
   const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<T> K = paged_k<T>(p, seq, kvh), V = paged_v<T>(p, seq, kvh);
-  const bool q_vectors = reinterpret_cast<uintptr_t>(p.query) % 16 == 0 && p.q_stride_token % 8 == 0 &&
-                         p.q_stride_head % 8 == 0;  // block-uniform
   const uint4 zeros = make_uint4(0u, 0u, 0u, 0u);
   const FastDivmod by_block(K.block_size), by_group(group);
 
@@ -694,16 +846,17 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     const int kv_begin = first.lo, kv_end = last.hi;
     const KeyRange seen_by_all{last.lo, first.hi};
 
-    // stage_kv: one tile's K rows, then its V rows, by cp.async, one commit group each; rows at or
-    // past kv_end (never read from the cache: they may hold NaN or lie past the table) and the
-    // padding chunk of a head_size % 16 == 8 row are zeros, so the mma's 0 * v stays 0.
-    auto stage_kv = [&](int kv0, int buf) {
-      // Row by row (the block-table entry read again for V, from L1: holding every row's entry
-      // between the two loops would cost 2 kPasses registers, a spill at head_size 256).
-      auto copy_rows = [&](const auto& grid, const PagedKV<T>& cache, T* tile, int data, int used) {
+    // stage_k / stage_v: one tile's K or V rows by cp.async, one commit group; rows at or past
+    // kv_end (never read from the cache: they may hold NaN or lie past the table) and the chunks
+    // past the head's data are zeros, so the mma's 0 * v stays 0. FlashAttention-2's schedule, one
+    // buffer each: V of tile i loads while Q K^T of tile i runs, K of tile i + 1 while P V of tile i.
+    // Row by row (V's block-table entries read again, from L1).
+    auto copy_rows = [&](const auto& grid, const PagedKV<T>& cache, T* tile, int data, int kv0) {
         using Grid = std::decay_t<decltype(grid)>;
         constexpr int kPasses = Grid::template passes<BN>();
-#pragma unroll
+        // Not unrolled: cp.async holds no register while in flight, so a rolled loop keeps every
+        // copy of the tile outstanding all the same, at a tenth of the code (two sites).
+#pragma unroll 1
         for (int pass = 0; pass < kPasses; ++pass) {
           const int j = grid.row(pass), c = grid.chunk(pass), tok = kv0 + j;
           T* dst = tile + (std::is_same_v<Grid, KGrid> ? swizzled_offset<DK>(j, c) : swizzled_offset<DV>(j, c));
@@ -712,19 +865,18 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
             copy_async(dst, cache.base + cache.block_table[in_table] * cache.stride_block + off * cache.stride_token +
                                 8 * c,
                        16);
-          } else if (c < used) {
+          } else {
             *reinterpret_cast<uint4*>(dst) = zeros;
           }
         }
         cp_async_commit();
-      };
-      copy_rows(kgrid, K, k_tile(buf), data_chunks, used_chunks);
-      copy_rows(vgrid, V, v_tile(buf), v_data_chunks, v_used_chunks);
     };
+    auto stage_k = [&](int kv0) { copy_rows(kgrid, K, Kt, data_chunks, kv0); };
+    auto stage_v = [&](int kv0) { copy_rows(vgrid, V, Vt, v_data_chunks, kv0); };
 
     __syncthreads();  // every warp is done with the previous row tile's Q and K/V tiles
-    // The first K/V tile loads while Q is staged.
-    if (kv_begin < kv_end) stage_kv(kv_begin, 0);
+    // The first K tile loads while Q is staged.
+    if (kv_begin < kv_end) stage_k(kv_begin);
 
     // Packed row r of the tile is (query qi, head gq of the group): one 64-bit division per row tile,
     // 32-bit ones per row (r < BM: row_q0 * group + row_g0 + r stays in int range of a row).
@@ -733,174 +885,221 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     auto query_of = [&](int r) { return int(row_q0) + by_group.div(row_g0 + r); };
     auto head_of = [&](int r) { return by_group.mod(row_g0 + r); };
 
-    // load_q: raw query values (the scale multiplies the scores), zeros in padding rows and columns.
-    auto q_chunk = [&](int r, int c) {
-      return static_cast<const T*>(p.query) + (q0 + query_of(r)) * p.q_stride_token +
-             (kvh * group + head_of(r)) * p.q_stride_head + 8 * c;
-    };
+    // load_q: raw query values (the scale multiplies the scores) by 16-byte cp.async (the plan
+    // takes 16-byte aligned query rows only), zeros in padding rows and columns; one commit group
+    // after the first tile's two, awaited with them (rolled, as the K / V copies).
     constexpr int kQPasses = KGrid::template passes<BM>();
-    if (q_vectors) {
-#pragma unroll
-      for (int pass = 0; pass < kQPasses; ++pass) {
-        const int r = kgrid.row(pass), c = kgrid.chunk(pass);
-        if (c >= used_chunks) continue;
-        uint4 x = zeros;
-        if (r < nrows && c < data_chunks) x = *reinterpret_cast<const uint4*>(q_chunk(r, c));
-        *reinterpret_cast<uint4*>(sm + swizzled_offset<DK>(r, c)) = x;
-      }
-    } else {  // a query view of odd strides: element loads (cold: not unrolled)
 #pragma unroll 1
-      for (int pass = 0; pass < kQPasses; ++pass) {
-        const int r = kgrid.row(pass), c = kgrid.chunk(pass);
-        if (c >= used_chunks) continue;
-        T x[8];
-        for (int i = 0; i < 8; ++i) x[i] = r < nrows && c < data_chunks ? q_chunk(r, c)[i] : from_float<T>(0.f);
-        memcpy(static_cast<void*>(sm + swizzled_offset<DK>(r, c)), x, 16);
-      }
+    for (int pass = 0; pass < kQPasses; ++pass) {
+      const int r = kgrid.row(pass), c = kgrid.chunk(pass);
+      T* dst = sm + swizzled_offset<DK>(r, c);
+      if (r < nrows && c < data_chunks)
+        copy_async(dst,
+                   static_cast<const T*>(p.query) + (q0 + query_of(r)) * p.q_stride_token +
+                       (kvh * group + head_of(r)) * p.q_stride_head + 8 * c,
+                   16);
+      else
+        *reinterpret_cast<uint4*>(dst) = zeros;
     }
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();  // Q visible to every warp
 
     // Q's A fragments: matrix l / 8 of a 16x16 step = (rows 0-7 | 8-15) x (columns 0-7 | 8-15).
-    auto load_q_frag = [&](uint32_t (&a)[4], int ks) {
-      ldmatrix<4, false>(a, sm + swizzled_offset<DK>(warp * 16 + ld_row + 8 * (ld_mat % 2), 2 * ks + ld_mat / 2));
+    auto load_q_frag = [&](uint32_t (&a)[4], int mt, int ks) {
+      ldmatrix<4, false>(a, sm + swizzled_offset<DK>(warp_row0 + mt * 16 + ld_row + 8 * (ld_mat % 2),
+                                                      2 * ks + ld_mat / 2));
     };
-    uint32_t qf[kQInRegisters ? KS_MAX : 1][4];
+    uint32_t qf[kQInRegisters ? MT : 1][kQInRegisters ? KS_MAX : 1][4];
     if constexpr (kQInRegisters) {
 #pragma unroll
-      for (int ks = 0; ks < KS_MAX; ++ks)
-        if (ks * 16 < Dp) load_q_frag(qf[ks], ks);
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int ks = 0; ks < KS_MAX; ++ks)
+          load_q_frag(qf[mt][ks], mt, ks);
     }
 
-    int pos[2];
-    KeyRange keys[2];
-    float slope[2];
-    lane_rows(p, warp * 16 + g, nrows, seq_len, q_len, kvh * group, query_of, head_of, pos, keys, slope);
-    float o[NT_O][4];
+    // The lane's rows: warp_row0 + 16 mt + 8 h + g. Their visible keys are found where a tile needs
+    // them (edge tiles only), not held across the loop: registers go to the accumulators. A
+    // kScoreMods kernel holds each row's position and ALiBi slope.
+    auto lane_row_keys = [&](KeyRange (&keys)[MT][2]) {
+      int pos_unused[MT][2];
+      float slope_unused[MT][2];
 #pragma unroll
-    for (int nt = 0; nt < NT_O; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+      for (int mt = 0; mt < MT; ++mt)
+        lane_rows(p, warp_row0 + mt * 16 + g, nrows, seq_len, q_len, kvh * group, query_of, head_of, pos_unused[mt],
+                  keys[mt], slope_unused[mt]);
+    };
+    int pos[kScoreMods ? MT : 1][2];
+    float slope[kScoreMods ? MT : 1][2];
+    if constexpr (kScoreMods) {
+      KeyRange keys_unused[MT][2];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        lane_rows(p, warp_row0 + mt * 16 + g, nrows, seq_len, q_len, kvh * group, query_of, head_of, pos[mt],
+                  keys_unused[mt], slope[mt]);
+    }
+    float o[MT][NT_O][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT_O; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.f;
+    float m[MT][2], l[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -INFINITY, l[mt][0] = l[mt][1] = 0.f;
 
-    int buf = 0;
-    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN, buf ^= 1) {  // block-uniform
+    for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {  // block-uniform
       const bool has_next = kv0 + BN < kv_end;
-      // In flight: this tile's K and V groups. K's complete, V's may still be in flight.
-      cp_async_wait<1>();
-      __syncthreads();  // K visible; every warp is done with the previous tile, whose buffers come next
-      if (has_next) stage_kv(kv0 + BN, buf ^ 1);
-      const T* Kt = k_tile(buf);
-      const T* Vt = v_tile(buf);
+      // In flight: this tile's K group (issued during the previous tile's P V, or above).
+      cp_async_wait<0>();
+      __syncthreads();  // K visible; every warp is done with the previous tile's V
+      stage_v(kv0);
 
-      // compute_qk: B fragments of two n-tiles per ldmatrix x4: matrix l / 8 = (keys 0-7 | 8-15) x
-      // (dims 0-7 | 8-15) of the pair, in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1].
-      float s[NT_S][4];
+      // The tile's compute, compiled twice: for an edge tile (a key hidden from some row of the
+      // tile: the causal diagonal, a window's edges, the sequence's end) with the mask and the
+      // non-finite-V hold-back, and for the interior tiles without either (FlashAttention-2's
+      // masking and plain steps).
+      auto tile_step = [&](auto edge_tag) {
+        constexpr bool kEdge = decltype(edge_tag)::value;
+        KeyRange keys[MT][2];
+        if constexpr (kEdge) lane_row_keys(keys);
+        // compute_qk: B fragments of two n-tiles per ldmatrix x4: matrix l / 8 = (keys 0-7 | 8-15) x
+        // (dims 0-7 | 8-15) of the pair, in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1];
+        // each feeds the MT row fragments.
+        float s[MT][NT_S][4];
 #pragma unroll
-      for (int nt = 0; nt < NT_S; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ks = 0; ks < KS_MAX; ++ks) {
-        if (ks * 16 < Dp) {
-          uint32_t a_reread[4];
-          if constexpr (!kQInRegisters) load_q_frag(a_reread, ks);
-          const uint32_t(&a)[4] = kQInRegisters ? qf[kQInRegisters ? ks : 0] : a_reread;
+          for (int nt = 0; nt < NT_S; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+        for (int ks = 0; ks < KS_MAX; ++ks) {
+          uint32_t a_reread[kQInRegisters ? 1 : MT][4];
+          if constexpr (!kQInRegisters) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) load_q_frag(a_reread[mt], mt, ks);
+          }
 #pragma unroll
           for (int np = 0; np < NT_S / 2; ++np) {
             uint32_t b[4];
             ldmatrix<4, false>(b, Kt + swizzled_offset<DK>(np * 16 + ld_row + 8 * (ld_mat / 2), 2 * ks + ld_mat % 2));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_16816<T>(s[2 * np], a, b0);
-            mma_16816<T>(s[2 * np + 1], a, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              const uint32_t(&a)[4] = kQInRegisters ? qf[kQInRegisters ? mt : 0][kQInRegisters ? ks : 0]
+                                                    : a_reread[kQInRegisters ? 0 : mt];
+              mma_16816<T>(s[mt][2 * np], a, b0);
+              mma_16816<T>(s[mt][2 * np + 1], a, b1);
+            }
           }
         }
-      }
 
-      // update_softmax: the mask only on a tile holding a key hidden from some row of the tile.
-      const bool edge = kv0 < seen_by_all.lo || kv0 + BN > seen_by_all.hi;  // block-uniform
-      float mx[2] = {-INFINITY, -INFINITY};
-      if (edge) {
+        // update_softmax: the scale (and the score modifiers of a kScoreMods kernel), then the mask,
+        // only on a tile holding a key hidden from some row of the tile: a score whose key the row
+        // does not see becomes -inf, whatever its q . k (a hidden key's K may hold NaN).
+        const int lane_key0 = kv0 + 2 * t;  // the lane's key of column 0 of n-tile 0
+        float mx[MT][2];
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) {
+          mx[mt][0] = mx[mt][1] = -INFINITY;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = kv0 + nt * 8 + 2 * t + (i % 2), h = i / 2;
-            const float v = keys[h].contains(tok) ? mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]) : -INFINITY;
-            s[nt][i] = v;
-            mx[h] = fmaxf(mx[h], v);
+          for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int h = i / 2;
+              if constexpr (kScoreMods)
+                s[mt][nt][i] = mod.apply<true>(s[mt][nt][i] * mod.qk_mul, slope[kScoreMods ? mt : 0][h],
+                                   lane_key0 + nt * 8 + i % 2 - pos[kScoreMods ? mt : 0][h]);
+              else
+                s[mt][nt][i] *= mod.qk_mul;
+            }
+          if constexpr (kEdge) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              // key = lane_key0 + c is visible iff (unsigned)(c - first) < width: one compare per score.
+              const int first = keys[mt][h].lo - lane_key0;
+              const unsigned width = unsigned(max(keys[mt][h].hi - keys[mt][h].lo, 0));
+#pragma unroll
+              for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                  if (unsigned(nt * 8 + e - first) >= width) s[mt][nt][2 * h + e] = -INFINITY;
+            }
           }
-        }
-      } else {
 #pragma unroll
-        for (int nt = 0; nt < NT_S; ++nt) {
+          for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = kv0 + nt * 8 + 2 * t + (i % 2), h = i / 2;
-            const float v = mod(s[nt][i] * mod.qk_mul, slope[h], tok - pos[h]);
-            s[nt][i] = v;
-            mx[h] = fmaxf(mx[h], v);
-          }
+            for (int i = 0; i < 4; ++i) mx[mt][i / 2] = fmaxf(mx[mt][i / 2], s[mt][nt][i]);
         }
-      }
-      float alpha[2];
-      update_row_states(s, mx, m, l, alpha);
+        float alpha[MT][2];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) update_row_states<NT_S, false>(s[mt], mx[mt], m[mt], l[mt], alpha[mt]);
+        // P as P V's A fragments (mma.cuh: two score n-tiles' C layout is one k-step's A layout), 16-bit
+        // from here on: half the registers of the float scores while P V runs.
+        uint32_t pa[MT][BN / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int kk = 0; kk < BN / 16; ++kk) p_frag<T>(pa[mt][kk], s[mt], kk);
 
-      // This tile's V: complete once only the next tile's two groups may be in flight.
-      if (has_next) cp_async_wait<2>();
-      else cp_async_wait<0>();
-      bool add_back = false;
-      if (edge) {
-        __syncthreads();  // V visible
-        // Non-finite V elements of keys hidden from some row: zero in the tile, added back below.
-        bool held_back = false;
+        // This tile's V group, the only one in flight.
+        cp_async_wait<0>();
+        __syncthreads();  // V visible; every warp is done with this tile's K
+        if (has_next) stage_k(kv0 + BN);
+        bool add_back = false;
+        if constexpr (kEdge) {
+          // Non-finite V elements (exponent all ones) of keys hidden from some row: zero in the
+          // tile, added back below; word by word on the raw bits.
+          constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u, kExp2 = kExp | kExp << 16;
+          bool held_back = false;
+#pragma unroll 1
+          for (int pass = 0; pass < VGrid::template passes<BN>(); ++pass) {
+            const int j = vgrid.row(pass), c = vgrid.chunk(pass), tok = kv0 + j;
+            if (c < v_data_chunks && tok < kv_end && !seen_by_all.contains(tok)) {
+              uint4* at = reinterpret_cast<uint4*>(Vt + swizzled_offset<DV>(j, c));
+              uint32_t w[4];
+              memcpy(w, at, 16);
+              uint32_t dropped = 0;
 #pragma unroll
-        for (int pass = 0; pass < VGrid::template passes<BN>(); ++pass) {
-          const int j = vgrid.row(pass), c = vgrid.chunk(pass), tok = kv0 + j;
-          if (c < v_data_chunks && tok < kv_end && !seen_by_all.contains(tok)) {
-            T* at = v_tile(buf) + swizzled_offset<DV>(j, c);
-            T h[8];
-            const uint4 u = *reinterpret_cast<const uint4*>(at);
-            memcpy(static_cast<void*>(h), &u, 16);
-            bool any = false;
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-              if (!(fabsf(to_float(h[i])) < INFINITY)) {  // inf or NaN
-                h[i] = from_float<T>(0.f);
-                any = true;
+              for (int i = 0; i < 4; ++i) {
+                const uint32_t e = w[i] & kExp2;
+                const uint32_t drop = ((e & 0xffffu) == kExp ? 0xffffu : 0u) | ((e >> 16) == kExp ? 0xffff0000u : 0u);
+                w[i] &= ~drop;
+                dropped |= drop;
+              }
+              if (dropped) {
+                memcpy(at, w, 16);
+                held_back = true;
               }
             }
-            if (any) {
-              uint4 w;
-              memcpy(&w, static_cast<const void*>(h), 16);
-              *reinterpret_cast<uint4*>(at) = w;
-              held_back = true;
-            }
           }
+          add_back = __syncthreads_or(held_back) != 0;  // block-uniform
         }
-        add_back = __syncthreads_or(held_back) != 0;  // block-uniform
-      } else {
-        __syncthreads();  // V visible
-      }
 
-      // compute_pv: B fragments of two n-tiles per ldmatrix x4 .trans: matrix l / 8 = (keys 0-7 |
-      // 8-15) x (dims 0-7 | 8-15), in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1].
-      rescale_o(o, alpha);
+        // compute_pv: B fragments of two n-tiles per ldmatrix x4 .trans: matrix l / 8 = (keys 0-7 |
+        // 8-15) x (dims 0-7 | 8-15), in the order b[nt][0], b[nt][1], b[nt + 1][0], b[nt + 1][1].
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[4];
-        p_frag<T>(a, s, kk);
+        for (int mt = 0; mt < MT; ++mt) rescale_o(o[mt], alpha[mt]);
 #pragma unroll
-        for (int np = 0; np < NT_O / 2; ++np) {
-          if (np * 16 < Dv) {
+        for (int kk = 0; kk < BN / 16; ++kk) {
+#pragma unroll
+          for (int np = 0; np < NT_O / 2; ++np) {
             uint32_t b[4];
             ldmatrix<4, true>(b, Vt + swizzled_offset<DV>(kk * 16 + ld_row + 8 * (ld_mat % 2), 2 * np + ld_mat / 2));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
-            mma_16816<T>(o[2 * np], a, b0);
-            mma_16816<T>(o[2 * np + 1], a, b1);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_16816<T>(o[mt][2 * np], pa[mt][kk], b0);
+              mma_16816<T>(o[mt][2 * np + 1], pa[mt][kk], b1);
+            }
           }
         }
-      }
-      if (add_back)
-        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
+        if (kEdge && add_back) add_back_nonfinite_v_paired(o, pa, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
+      };
+      if (kv0 < seen_by_all.lo || kv0 + BN > seen_by_all.hi) tile_step(std::true_type{});  // block-uniform
+      else tile_step(std::false_type{});
     }
 
-    store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, Dv, vscale, query_of, head_of);
+    store_rows_paired<T>(p, o, m, l, warp_row0 + g, nrows, q0, kvh * group, Dv, vscale, query_of, head_of);
   }
 }
 
@@ -921,10 +1120,15 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
               PAGED_LAUNCH(kernel, grid, dim3(kTcThreads), pl.smem, stream, p, pl.row_tiles);
               PAGED_CHECK_LAUNCH("prefill_tc_pipelined_kernel");
             };
-            if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, 64, 64>);
-            else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, 128, 128>);
-            else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, 192, 128>);
-            else run(prefill_tc_pipelined_kernel<T, 256, 256>);
+            auto run_heads = [&](auto mods) {
+              constexpr bool kMods = decltype(mods)::value;
+              if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, 64, 64, kMods>);
+              else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, 128, 128, kMods>);
+              else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, 192, 128, kMods>);
+              else run(prefill_tc_pipelined_kernel<T, 256, 256, kMods>);
+            };
+            if (pl.score_mods) run_heads(std::true_type{});
+            else run_heads(std::false_type{});
             return;
           }
         }
