@@ -79,3 +79,15 @@ def test_demo_skips_cuda_without_a_gpu_and_test_does_not(tmp_path):
     assert "PAGED_OPS_CUDA=off" not in with_gpu
     asked = _make_dry_run("demo", {"PAGED_OPS_CUDA": "on"}, tmp_path)
     assert "PAGED_OPS_CUDA=off" not in asked
+
+
+def test_default_cuda_archs_agree():
+    """The default CUDA archs are written twice (pyproject.toml's cmake.define for pip builds,
+    CMakeLists.txt's cache default for direct CMake): one list, or a fresh clone builds what the
+    docs do not say (it did: pyproject kept 86-real after CMakeLists dropped it)."""
+    import re
+    import tomllib
+
+    define = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["scikit-build"]["cmake"]["define"]
+    cmake = re.search(r'set\(PAGED_OPS_CUDA_ARCHS "([^"]+)" CACHE', (ROOT / "CMakeLists.txt").read_text()).group(1)
+    assert define["PAGED_OPS_CUDA_ARCHS"]["default"] == cmake
