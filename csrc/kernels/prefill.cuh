@@ -285,34 +285,26 @@ __global__ void __launch_bounds__(256, 1) prefill_wide_kernel(AttentionParams p,
 // per n-tile. V is read again from the cache (rare: only a tile that held a value back).
 // One key per iteration, not unrolled, so the rare path stays small in the kernel's code: the
 // key's probabilities are read from a copy of s indexed at run time (local memory, here only);
-// s itself is indexed by constants everywhere, so it stays in registers. MT: the lane's row
-// fragments (16 rows each), which share each key's value loads.
+// s itself is indexed by constants everywhere, so it stays in registers.
 // Warp-uniform loop bounds: the shuffles see the full warp.
-template <int MT, int NT_S, int NT_O, typename KV>
-__device__ __forceinline__ void add_back_nonfinite_v(float (&o)[MT][NT_O][4], const float (&s)[MT][NT_S][4],
+template <int NT_S, int NT_O, typename KV>
+__device__ __forceinline__ void add_back_nonfinite_v(float (&o)[NT_O][4], const float (&s)[NT_S][4],
                                                      const PagedKV<KV>& V, int kv0, int n, int D,
-                                                     const KeyRange (&keys)[MT][2], KeyRange seen_by_all) {
+                                                     const KeyRange (&keys)[2], KeyRange seen_by_all) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  float ps[MT][NT_S * 4];
+  float ps[NT_S * 4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int nt = 0; nt < NT_S; ++nt)
 #pragma unroll
-    for (int nt = 0; nt < NT_S; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) ps[mt][nt * 4 + i] = s[mt][nt][i];
+    for (int i = 0; i < 4; ++i) ps[nt * 4 + i] = s[nt][i];
 #pragma unroll 1
   for (int c = 0; c < n; ++c) {
     const int tok = kv0 + c;
     if (seen_by_all.contains(tok)) continue;  // its values were staged as they are (warp-uniform)
     // Key c is column 2 t' + e of n-tile c / 8 in quad lane t' = (c % 8) / 2, element e = c % 2;
-    // s[mt][nt][e] is row g's, s[mt][nt][2 + e] row g + 8's.
+    // s[nt][e] is row g's, s[nt][2 + e] row g + 8's.
     const int src = (lane & ~3) | ((c % 8) / 2), at = (c / 8) * 4 + c % 2;
-    float pr[MT][2];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      pr[mt][0] = __shfl_sync(kFullMask, ps[mt][at], src);
-      pr[mt][1] = __shfl_sync(kFullMask, ps[mt][at + 2], src);
-    }
+    const float pr[2] = {__shfl_sync(kFullMask, ps[at], src), __shfl_sync(kFullMask, ps[at + 2], src)};
     const KV* vrow = V.row(tok);
 #pragma unroll
     for (int ot = 0; ot < NT_O; ++ot) {
@@ -322,20 +314,12 @@ __device__ __forceinline__ void add_back_nonfinite_v(float (&o)[MT][NT_O][4], co
           const float v = to_float(vrow[ot * 8 + 2 * t + k]);
           if (fabsf(v) < INFINITY) continue;  // finite: the mma has it
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              if (keys[mt][h].contains(tok)) o[mt][ot][2 * h + k] += pr[mt][h] * v;
+          for (int h = 0; h < 2; ++h)
+            if (keys[h].contains(tok)) o[ot][2 * h + k] += pr[h] * v;
         }
       }
     }
   }
-}
-
-// A lane's arrays of one row fragment as the [1]-fragment arrays the MT-wide stages take.
-template <typename A>
-__device__ __forceinline__ A (&one_frag(A& a))[1] {
-  return reinterpret_cast<A(&)[1]>(a);
 }
 
 // ---- stages shared by the two tensor-core kernels (one lane: packed rows r0 and r0 + 8 of its
@@ -597,8 +581,7 @@ __global__ void __launch_bounds__(128) prefill_tc_kernel(AttentionParams p, int6
         }
       }
       if (add_back)
-        add_back_nonfinite_v(one_frag(o), one_frag(s), V, kv0, min(BN, kv_end - kv0), Dv, one_frag(keys),
-                             seen_by_all);
+        add_back_nonfinite_v<NT_S, NT_O>(o, s, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
     }
 
     store_rows<T>(p, o, m, l, warp * 16 + g, nrows, q0, kvh * group, Dv, vscale, query_of, head_of);
