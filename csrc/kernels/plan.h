@@ -272,8 +272,9 @@ constexpr int kPrefillChunks = 32, kPrefillWideChunks = 72;
 // (the default at heads above 256: 113 KB at 576; an explicit 256 threads x 64 keys at 256) is
 // halved until it fits.
 constexpr size_t kPrefillMaxSmem = 99 * 1024;
-// Tensor-core kernels: 4 warps x 16 packed rows; KV tiles of 32 tokens (the general kernel, any
-// cache), the pipelined kernel's (cp.async tiles, double-buffered, of a 16-bit cache) below.
+// Tensor-core kernels: 4 warps x 16 packed rows (kTcRows; the pipelined kernel up to twice that,
+// tc_pipelined_rows); KV tiles of 32 tokens (the general kernel, any cache), the pipelined
+// kernel's (cp.async tiles of a 16-bit cache) below.
 constexpr int kTcRows = 64, kTcKv = 32, kTcThreads = 128;
 // The widest key head the tensor-core kernels take. Above it (MLA's 576 / 512) the CUDA-core
 // kernel runs: a warp's 16-row tile of a 512-wide output is 256 fp32 accumulators per lane, past
