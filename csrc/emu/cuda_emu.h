@@ -1112,6 +1112,20 @@ inline int __syncthreads_count(int pred) {
   return int(b.bar_result);
 }
 
+namespace cuda_emu::detail {
+// y (a normal float) moved 2 ulp in magnitude, up or down by the last bit of `by`: the emulator's
+// approximate instructions are never exact, so no kernel can rely on them being so.
+inline float two_ulp_off(float y, float by) {
+  uint32_t bits, b;
+  std::memcpy(&bits, &y, 4);
+  std::memcpy(&b, &by, 4);
+  bits = (b & 1u) ? bits + 2u : bits - 2u;
+  float z;
+  std::memcpy(&z, &bits, 4);
+  return z;
+}
+}  // namespace cuda_emu::detail
+
 // ex2.approx.ftz.f32 (PTX ISA, "Floating Point Instructions: ex2"): 2^x with subnormal inputs and
 // results flushed to zero, ex2(-Inf) = +0, ex2(+Inf) = +Inf, ex2(NaN) = NaN. The hardware's result
 // is an approximation; here the exact value (in double) is moved 2 ulp away from it, toward 0 or
@@ -1124,13 +1138,7 @@ inline float ex2_approx_ftz(float x) {
   const float y = float(std::exp2(double(x)));
   if (y == 0.f || std::isinf(y)) return y;
   if (std::fpclassify(y) == FP_SUBNORMAL || y < std::numeric_limits<float>::min()) return 0.f;
-  uint32_t bits;
-  std::memcpy(&bits, &y, 4);
-  uint32_t xb;
-  std::memcpy(&xb, &x, 4);
-  bits = (xb & 1u) ? bits + 2u : bits - 2u;  // 2 ulp up or down (y is a positive normal float)
-  float z;
-  std::memcpy(&z, &bits, 4);
+  const float z = detail::two_ulp_off(y, x);  // y is a positive normal float
   return z < std::numeric_limits<float>::min() ? 0.f : z;
 }
 }  // namespace cuda_emu
@@ -1232,13 +1240,7 @@ inline float __fdividef(float a, float b) {
     return std::isinf(a) ? NAN : std::copysign(0.f, a) * std::copysign(1.f, b);
   const float q = a / b;
   if (q == 0.f || !std::isfinite(q) || std::fpclassify(q) == FP_SUBNORMAL) return q;
-  uint32_t bits, bb;
-  std::memcpy(&bits, &q, 4);
-  std::memcpy(&bb, &b, 4);
-  bits = (bb & 1u) ? bits + 2u : bits - 2u;  // 2 ulp up or down in magnitude (q normal: stays finite or reaches inf)
-  float z;
-  std::memcpy(&z, &bits, 4);
-  return z;
+  return cuda_emu::detail::two_ulp_off(q, b);  // q normal: stays finite or reaches inf
 }
 inline float __frcp_rn(float a) { return 1.0f / a; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }

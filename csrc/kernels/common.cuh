@@ -362,7 +362,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ float tanh_fast(float x) {
   const float x2 = x * x;
   const float series = x * (1.f - x2 * (1.f / 3.f - x2 * (2.f / 15.f)));
-  const float by_exp = 1.f - __fdividef(2.f, 1.f + exp2_approx(2.f * 1.4426950408889634f * x));
+  const float by_exp = 1.f - __fdividef(2.f, 1.f + exp2_approx(2.f * kLog2e * x));
   return fabsf(x) < 0.0625f ? series : by_exp;
 }
 

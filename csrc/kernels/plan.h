@@ -301,8 +301,9 @@ constexpr int tc_pipelined_kv_tile(int dk, int dv) {
 
 struct PrefillPlan {
   bool tensor_cores;  // prefill_tc_kernel (fp16/bf16 queries) or the CUDA-core prefill_kernel
-  // Tensor cores on a cache of the query's dtype whose rows all start 16-byte aligned:
-  // prefill_tc_pipelined_kernel (K/V by 16-byte cp.async); fp8 caches and odd views take prefill_tc_kernel.
+  // Tensor cores on a cache of the query's dtype whose rows all start 16-byte aligned, with query rows
+  // 16-byte aligned and out rows of aligned element pairs: prefill_tc_pipelined_kernel (Q, K, V by
+  // 16-byte cp.async); fp8 caches and odd views take prefill_tc_kernel.
   bool pipelined;
   // The soft-cap or ALiBi is on: the pipelined kernel's kScoreMods instance (without them its
   // scores take one multiply).

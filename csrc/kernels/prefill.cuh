@@ -639,6 +639,14 @@ __device__ __forceinline__ void store_rows_paired(const AttentionParams& p, cons
   }
 }
 
+// The 16-bit halves of w (two fp16 or bf16 values) whose exponent is all ones (inf or NaN): a mask
+// of 0xffff per such half.
+template <typename T>
+__device__ __forceinline__ uint32_t nonfinite_halves(uint32_t w) {
+  constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
+  return ((w & kExp) == kExp ? 0xffffu : 0u) | ((w >> 16 & kExp) == kExp ? 0xffff0000u : 0u);
+}
+
 // add_back_nonfinite_v of the pipelined kernel (a 16-bit cache of 16-byte aligned rows), from P as
 // the mma took it (pa: the A fragments of P V's k-steps, 16-bit pairs; no float copy of the scores
 // stays live across P V): each key's value pairs by one 32-bit load, tested on the raw bits
@@ -648,7 +656,6 @@ template <typename T, int MT, int KK, int NT_O>
 __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O][4], const uint32_t (&pa)[MT][KK][4],
                                                             const PagedKV<T>& V, int kv0, int n, int D,
                                                             const KeyRange (&keys)[MT][2], KeyRange seen_by_all) {
-  constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u;
   const int lane = threadIdx.x % 32, t = lane % 4;
   uint32_t ps[MT][KK * 4];  // indexed at run time: local memory, here only
 #pragma unroll
@@ -678,7 +685,7 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
     for (int ot = 0; ot < NT_O; ++ot) {
       if (ot * 8 < D) {
         const uint32_t w = vrow[ot * 4];
-        if ((w & kExp) != kExp && (w >> 16 & kExp) != kExp) continue;  // both finite: the mma has them
+        if (!nonfinite_halves<T>(w)) continue;  // both finite: the mma has them
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
           const float v = unpack_half<T>(w, k);
@@ -1032,7 +1039,6 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         if constexpr (kEdge) {
           // Non-finite V elements (exponent all ones) of keys hidden from some row: zero in the
           // tile, added back below; word by word on the raw bits.
-          constexpr uint32_t kExp = std::is_same_v<T, __half> ? 0x7c00u : 0x7f80u, kExp2 = kExp | kExp << 16;
           bool held_back = false;
 #pragma unroll 1
           for (int pass = 0; pass < VGrid::template passes<BN>(); ++pass) {
@@ -1044,8 +1050,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
               uint32_t dropped = 0;
 #pragma unroll
               for (int i = 0; i < 4; ++i) {
-                const uint32_t e = w[i] & kExp2;
-                const uint32_t drop = ((e & 0xffffu) == kExp ? 0xffffu : 0u) | ((e >> 16) == kExp ? 0xffff0000u : 0u);
+                const uint32_t drop = nonfinite_halves<T>(w[i]);
                 w[i] &= ~drop;
                 dropped |= drop;
               }
