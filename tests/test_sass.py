@@ -61,9 +61,9 @@ CURRENT = {
 # sm_90 (81 instantiations, 27 of them 16-bit or fp32 caches): 63-128 registers, no spills, 1 round
 # of dependent loads (the block table), Little 600%+; 16-bit and fp32 caches 0.09-0.24 loop
 # instructions per byte and a static bound of 93-100% of 4.8 TB/s (<bf16, bf16, 16, 4>, the issue's 32 / 8-head
-# shape: 0.227, 96%); fp8 caches 0.17-0.26 and 83-100% (their conversions: the
-# issue's 90% is not met at G = 4). On sm_80 the shares are the A100's; fp8 converts in software there
-# (0.75-0.79 instructions per byte).
+# shape: 0.227, 96%); fp8 caches 0.14-0.235 and 93-100% (two elements a cvt.rn.f16x2.e4m3x2 /
+# e5m2x2: common.cuh fp8x2_to_float2), so all 81 meet the issue's targets. On sm_80 the shares are
+# the A100's; e4m3 converts in software there (0.77 instructions per byte at G = 1, 2).
 FAST_PATH = dict(max_regs=128, max_spill_bytes=0, max_instr_per_byte=0.85, min_bandwidth_bound=0.8)
 
 # Which row each family is held to. Families not named here must not spill at all.
@@ -151,12 +151,12 @@ def test_pipelined_prefill_meets_the_hmma_target_at_the_issue_shape(rows):
     assert not low, "\n".join(low)
 
 
-def test_decode_fast_path_meets_the_issue_targets_on_16_bit_and_fp32_caches(rows):
+def test_decode_fast_path_meets_the_issue_targets(rows):
     """Issue #23 item 2's static targets (TARGETS above), held on the sm_90 fast path of every
-    16-bit and fp32 cache instantiation (fp8's are held to FAST_PATH only)."""
+    instantiation: 16-bit, fp32 and fp8 caches (fp8 by two elements a conversion, common.cuh
+    fp8x2_to_float2: the scalar conversion left fp8 at G = 4 at 83-88%)."""
     lim = TARGETS["decode_kernel"]
-    mine = [r for r in rows if r["arch"] == "sm_90" and _family(r) == "decode_kernel (fast)"
-            and sass._elem(r["args"][1]) > 1]
+    mine = [r for r in rows if r["arch"] == "sm_90" and _family(r) == "decode_kernel (fast)"]
     if not mine:
         pytest.skip("the build carries no sm_90 code")
     bad = [f"{r['name']}: {r['regs']} registers, occupancy {r['occupancy']:.3f}, "
@@ -165,7 +165,7 @@ def test_decode_fast_path_meets_the_issue_targets_on_16_bit_and_fp32_caches(rows
            if r["regs"] > lim["max_regs"] or r["occupancy"] < lim["min_occupancy"]
            or r["loop"]["instructions_per_byte"] > lim["max_instr_per_byte"]
            or r["loop"]["bound_share"] < lim["min_bandwidth_bound"] or r["stack"] + r["local"] > 0]
-    assert len(mine) == 27 and not bad, "\n".join(bad) or f"{len(mine)} instantiations, expected 27"
+    assert len(mine) == 81 and not bad, "\n".join(bad) or f"{len(mine)} instantiations, expected 81"
 
 
 # Decode calls at their plan's grid (bench/sass.py call_bound, sm_90 on an H200): the issue's
