@@ -608,7 +608,8 @@ def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: in
       left out;
     - time: bytes at the steady-state bound, plus one latency per wave of CTAs (the first tiles of
       a wave wait a whole latency before any byte arrives) and one for the reduce kernel (its loads
-      wait for the decode kernel's stores); launch gaps are left out."""
+      wait for the decode kernel's stores); launch gaps are left out;
+    - latency_ceiling: the share with the same latencies at a 100% steady bound and no partial bytes."""
     ctas = plan["grid_x"] * plan["grid_y"] * plan["grid_z"]
     warps_per_cta = plan["threads"] // 32
     warps = min(row["warps"], ctas * warps_per_cta / dev.sms)
@@ -618,9 +619,15 @@ def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: in
     kv = num_seqs * num_kv_heads * seq_len * 2 * head * elem
     workspace = 2 * num_seqs * num_heads * plan["grid_z"] * (head + 2) * 4 if plan["split"] else 0
     waves = math.ceil(ctas / max(row["blocks"] * dev.sms, 1))
-    seconds = (kv + workspace) / (steady * dev.dram_bytes_s) + latency_ns * 1e-9 * (waves + bool(plan["split"]))
+    latencies = latency_ns * 1e-9 * (waves + bool(plan["split"]))
+    seconds = (kv + workspace) / (steady * dev.dram_bytes_s) + latencies
+    # What the latencies alone leave: the share at a 100% steady bound with no partial bytes. A
+    # split call's second latency is the merge's (its loads wait for the partials' stores), so a
+    # split plan can never pass latency_ceiling whatever its KV loop does.
+    kv_seconds = kv / dev.dram_bytes_s
     return dict(ctas=ctas, warps_per_sm=warps, steady_share=steady, kv_bytes=kv, workspace_bytes=workspace,
-                waves=waves, seconds=seconds, share=kv / dev.dram_bytes_s / seconds)
+                waves=waves, seconds=seconds, share=kv_seconds / seconds,
+                latency_ceiling=kv_seconds / (kv_seconds + latencies))
 
 
 def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS) -> list[dict]:
@@ -643,18 +650,19 @@ def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS) -
 CALL_NOTE = ("Decode calls: the sm_90 kernel their plan (csrc/kernels/plan.h, by the emulator's decode_plan on "
              "132 SMs) launches, at the grid it launches: resident warps from the grid, the KV bytes plus the "
              "split-KV partials written and read back, one latency per wave and one for the reduce kernel "
+             "(latencies alone allow: the share at a 100% steady bound with those latencies and no partials) "
              "(bench/sass.py call_bound).\n")
 
 
 def call_markdown(calls: list[dict]) -> str:
     head = ["decode call (bf16, head 128, block 16)", "kernel", "CTAs", "partition", "warps / SM", "steady bound",
-            "workspace / KV bytes", "waves", "share of 4.8 TB/s"]
+            "workspace / KV bytes", "waves", "share of 4.8 TB/s", "latencies alone allow"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in calls:
         part = f"{c['plan']['partition_size']} x {c['plan']['grid_z']}" if c["plan"]["split"] else "one pass"
         lines.append("| " + " | ".join([c["shape"], c["kernel"], str(c["ctas"]), part, f"{c['warps_per_sm']:.1f}",
                                         f"{c['steady_share']:.0%}", f"{c['workspace_bytes'] / c['kv_bytes']:.1%}",
-                                        str(c["waves"]), f"{c['share']:.0%}"]) + " |")
+                                        str(c["waves"]), f"{c['share']:.0%}", f"{c['latency_ceiling']:.0%}"]) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -543,6 +543,40 @@ def test_emu_approx_math_is_the_documented_instruction_not_exact_math():
     assert rel.max() < 1e-5, f"tanh_fast off by {rel.max().item():.2e} relatively near 0"
 
 
+def test_emu_prmt_and_f16x2_multiply_are_the_ptx_instructions():
+    """prmt.b32's generic form and mul.rn.f16x2 as the PTX ISA defines them: bytes of {b, a} chosen by
+    the selector's nibbles (only c's low 16 bits), a nibble's msb replicating that byte's sign; the
+    half products rounded to nearest even with subnormals kept (no .ftz), a NaN operand a NaN."""
+    a, b = 0x807F01FF, 0x44332211  # a's bytes (low first): ff 01 7f 80
+    prmt = lambda c: selftest.bit_ops(a, b, c)[0]  # noqa: E731
+    assert prmt(0x3210) == a and prmt(0x7654) == b and prmt(0x12343210) == a
+    assert prmt(0x4567) == 0x11223344 and prmt(0x0404) == 0xFF11FF11
+    assert prmt(0x8888) == 0xFFFFFFFF and prmt(0xBBBB) == 0xFFFFFFFF  # signs of ff and 80
+    assert prmt(0x9999) == 0 and prmt(0xAAAA) == 0 and prmt(0xCCCC) == 0  # signs of 01, 7f, 11
+    mul = lambda x, y: selftest.bit_ops(x, y, 0)[1]  # noqa: E731
+    assert mul(0x40003C00, 0x3C004000) == 0x40004000  # 2 x 1, 1 x 2
+    assert mul(0x80010001, 0x5C005C00) == 0x81000100  # 2^-24 x 2^8 = 2^-16, a subnormal kept, signs kept
+    assert mul(0x3C01, 0x3C01) & 0xFFFF == 0x3C02  # (1 + 2^-10)^2 = 1 + 2^-9 + 2^-20: to nearest
+    assert mul(0xFE003C00, 0x3C003C00) == 0x7FFF3C00  # a NaN operand: NaN (canonical here)
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_pair_conversion_without_hardware_cvt_is_exact(fmt):
+    """kernels/common.cuh fp8x2_to_half2_bits, the sm_80 / 86 decode's conversion (GPUs before sm_89
+    have no cvt.f16x2.e4m3x2), on all 65536 byte pairs: every finite and infinite value bit for bit
+    torch's own fp8 -> fp16 cast, every NaN the canonical 0x7fff that cuda_fp8.h's conversion gives,
+    and the same bits as that library conversion everywhere."""
+    ours, lib = selftest.fp8_pairs(fmt == torch.float8_e4m3fn)
+    pairs = torch.arange(65536, dtype=torch.int32)
+    as_half = torch.stack([pairs & 0xFF, pairs >> 8], dim=1).to(torch.uint8).view(fmt).to(torch.float16)
+    want = as_half.view(torch.int16).to(torch.int32) & 0xFFFF  # [65536, 2]: low element first
+    got = torch.stack([ours & 0xFFFF, (ours >> 16) & 0xFFFF], dim=1)
+    nan = as_half.isnan()
+    assert torch.equal(got[~nan], want[~nan]), f"first mismatch at pair {int((got != want).any(1).nonzero()[0])}"
+    assert (got[nan] == 0x7FFF).all(), "a NaN byte must give the canonical fp16 NaN"
+    assert torch.equal(ours, lib)
+
+
 def test_emu_atomics_across_blocks():
     count, fsum = selftest.atomics(300, 64)
     assert count == 300 * 64 and fsum == 300 * 64 * 0.5

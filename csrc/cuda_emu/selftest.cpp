@@ -598,6 +598,33 @@ std::vector<at::Tensor> approx_math(const at::Tensor& x, const at::Tensor& y) {
   return out;
 }
 
+// The sm_80 / 86 fp8 pair conversion of the kernels (kernels/common.cuh fp8x2_to_half2_bits) and
+// cuda_fp8.h's __nv_cvt_fp8x2_to_halfraw2 (its host path: the library's software conversion) on every
+// 16-bit pair of the format (as a word's low pair and as its high pair) (`e4m3` true: float8_e4m3fn, else float8_e5m2): int32 [65536] each,
+// the fp16 pair's bits (low half the first element).
+std::vector<at::Tensor> fp8_pairs(bool e4m3) {
+  at::Tensor ours = at::empty({65536}, at::kInt), lib = at::empty({65536}, at::kInt);
+  for (uint32_t pair = 0; pair < 65536; ++pair) {
+    auto convert = [e4m3](uint32_t word, bool high) {
+      return e4m3 ? PAGED_KERNEL_NS::fp8x2_to_half2_bits<PAGED_KERNEL_NS::e4m3_t>(word, high)
+                  : PAGED_KERNEL_NS::fp8x2_to_half2_bits<PAGED_KERNEL_NS::e5m2_t>(word, high);
+    };
+    const uint32_t mine = convert(pair | 0xa5c30000u, false);  // the other pair's bytes must not leak in
+    TORCH_CHECK(convert((pair << 16) | 0x3c5au, true) == mine, "fp8_pairs: the high pair of a word differs");
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(pair), e4m3 ? __NV_E4M3 : __NV_E5M2);
+    ours.data_ptr<int>()[pair] = int(mine);
+    lib.data_ptr<int>()[pair] = int(uint32_t(h.x) | (uint32_t(h.y) << 16));
+  }
+  return {ours, lib};
+}
+
+// The emulator's integer / half instruction models the kernels call (kernels/common.cuh prmt,
+// mul_rn_f16x2), on one operand triple: [prmt(a, b, c), mul.rn.f16x2(a, b)] as int64 of their 32 bits.
+std::vector<int64_t> bit_ops(int64_t a, int64_t b, int64_t c) {
+  return {int64_t(PAGED_KERNEL_NS::prmt(uint32_t(a), uint32_t(b), uint32_t(c))),
+          int64_t(PAGED_KERNEL_NS::mul_rn_f16x2(uint32_t(a), uint32_t(b)))};
+}
+
 }  // namespace
 
 // A fragment of the test namespace (csrc/cuda_emu/backend.cpp defines it): test-only ops live apart from the backend.
@@ -612,4 +639,6 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("set_schedule(str mode) -> ()", &set_schedule);
   m.def("attention_rules() -> ()", &attention_rules);
   m.def("approx_math(Tensor x, Tensor y) -> Tensor[]", &approx_math);
+  m.def("fp8_pairs(bool e4m3) -> Tensor[]", &fp8_pairs);
+  m.def("bit_ops(int a, int b, int c) -> int[]", &bit_ops);
 }

@@ -1143,6 +1143,43 @@ inline float ex2_approx_ftz(float x) {
 }
 }  // namespace cuda_emu
 
+// prmt.b32 d, a, b, c (PTX ISA, "Integer Instructions: prmt"), the generic form (no mode): the
+// bytes of {b, a} are numbered 0-7 (a's bytes 0-3, b's 4-7); d's byte n comes from the 4-bit
+// selector c[4n+3 : 4n]: its 3 low bits name the source byte, its msb asks for the sign of that byte
+// (its bit 7) replicated over all 8 bits instead of the byte itself. Only c's low 16 bits are read.
+namespace cuda_emu {
+inline uint32_t prmt(uint32_t a, uint32_t b, uint32_t c) {
+  const uint64_t src = (uint64_t(b) << 32) | a;
+  uint32_t d = 0;
+  for (int n = 0; n < 4; ++n) {
+    const uint32_t sel = (c >> (4 * n)) & 0xfu;
+    uint32_t byte = uint32_t(src >> (8 * (sel & 7u))) & 0xffu;
+    if (sel & 8u) byte = (byte & 0x80u) ? 0xffu : 0x00u;
+    d |= byte << (8 * n);
+  }
+  return d;
+}
+
+// mul.rn.f16x2 d, a, b (PTX ISA, "Half Precision Floating-Point Instructions: mul"): each half of d
+// the product of a's and b's, rounded to nearest even; without .ftz subnormal inputs and results are
+// kept. A NaN operand gives a NaN whose bits the ISA leaves open: here the canonical 0x7fff, so a
+// kernel that wants a NaN's sign or payload through the multiply fails its tests.
+inline uint32_t mul_rn_f16x2(uint32_t a, uint32_t b) {
+  uint32_t d = 0;
+  for (int n = 0; n < 2; ++n) {
+    __half_raw x, y;
+    x.x = uint16_t(a >> (16 * n));
+    y.x = uint16_t(b >> (16 * n));
+    const float fx = __half2float(__half(x)), fy = __half2float(__half(y));
+    // Two 11-bit significands: the float product is exact, so one rounding to half is the instruction's.
+    __half_raw r = __half_raw(__float2half_rn(fx * fy));
+    if (std::isnan(fx) || std::isnan(fy)) r.x = 0x7fff;
+    d |= uint32_t(r.x) << (16 * n);
+  }
+  return d;
+}
+}  // namespace cuda_emu
+
 inline void __syncwarp(unsigned mask = 0xffffffffu) { cuda_emu::detail::warp_exchange(mask, 0); }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
 inline void __threadfence_block() {}

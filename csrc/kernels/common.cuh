@@ -17,6 +17,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "attention_rules.h"
 #include "kernels/params.h"
@@ -26,6 +27,18 @@
 // both backends are linked into one extension (same mangled names would be merged by the linker).
 #ifndef PAGED_KERNEL_NS
 #define PAGED_KERNEL_NS paged_cuda
+#endif
+
+// The architecture the kernels are compiled for: nvcc's __CUDA_ARCH__ in device code; in the
+// emulator's builds PAGED_EMU_CUDA_ARCH (csrc/cuda_emu/kernels_decode_sm80.cpp builds the decode
+// kernels' sm_80 choices, the other emulator builds sm_90's), so both sides of each choice below
+// and in decode.cuh run under the emulator. Host code (and a plain emulator build): 900.
+#if defined(__CUDA_ARCH__)
+#define PAGED_TARGET_ARCH __CUDA_ARCH__
+#elif defined(PAGED_EMU_CUDA_ARCH)
+#define PAGED_TARGET_ARCH PAGED_EMU_CUDA_ARCH
+#else
+#define PAGED_TARGET_ARCH 900
 #endif
 
 namespace PAGED_KERNEL_NS {
@@ -159,17 +172,72 @@ __device__ __forceinline__ float to_float(e4m3_t x) {
 __device__ __forceinline__ float to_float(e5m2_t x) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(x.x, __NV_E5M2)));
 }
-// Two fp8 values of one 16-bit word (the low byte the first element) by one conversion: sm_89+ has
-// cvt.rn.f16x2.e4m3x2 / e5m2x2 (PTX ISA, cvt), where the scalar to_float above spends a conversion
-// and a byte extract per element. Exact, as to_float: fp8 is a subset of fp16.
+// prmt.b32 (PTX ISA, prmt; the emulator's model: cuda_emu::prmt): byte n of the result is the byte
+// of {b, a} named by the selector's nibble n, or with the nibble's msb set that byte's sign
+// replicated over all 8 bits. CUDA's __byte_perm reads 3 bits a nibble and has no sign mode.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+#ifdef PAGED_EMU
+  return ::cuda_emu::prmt(a, b, selector);
+#else
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+#endif
+}
+// mul.rn.f16x2 on raw half pairs (the emulator's model: cuda_emu::mul_rn_f16x2): no .ftz, so
+// subnormal halves stay exact; .rn keeps nvcc from contracting it into another operation.
+__device__ __forceinline__ uint32_t mul_rn_f16x2(uint32_t a, uint32_t b) {
+#ifdef PAGED_EMU
+  return ::cuda_emu::mul_rn_f16x2(a, b);
+#else
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+#endif
+}
+
+// Two fp8 values of a 32-bit word (its low pair, or its high pair) as two fp16 halves (the first element
+// the low half), without sm_89's cvt: the bits cuda_fp8.h's __nv_cvt_fp8x2_to_halfraw2 gives (NaN as the
+// canonical 0x7fff), in 5 (e5m2) or 8 (e4m3) integer and half instructions a pair where the library's
+// software path on sm_80 / 86 takes a branchy conversion per element (tests/test_cuda_emu.py checks
+// all 65536 pairs of both formats against the library).
+// - Each byte goes to the high byte of its half (prmt): that is the fp16 number for e5m2, whose
+//   layout is fp16's upper byte.
+// - e4m3 (bias 7) moves its 7 magnitude bits one place right, below fp16's 5-bit exponent (bias 15),
+//   and the multiply by 2^8 corrects the bias: exact, subnormals included (the fp16 multiply keeps them).
+// - NaN (e4m3: magnitude 0x7f; e5m2: above 0x7c) is found by adding to the magnitude so that exactly
+//   those carry into their half's bit 15, which prmt's sign mode spreads over the half.
 template <typename FP8>
-__device__ __forceinline__ void fp8x2_to_float2(uint16_t pair, float& lo, float& hi) {
-  const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(pair, std::is_same_v<FP8, e4m3_t> ? __NV_E4M3 : __NV_E5M2);
-  __half_raw l, h;
-  l.x = h2.x;
-  h.x = h2.y;
-  lo = to_float(__half(l));
-  hi = to_float(__half(h));
+__device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t word, bool high_pair = false) {
+  constexpr bool kE4M3 = std::is_same_v<FP8, e4m3_t>;
+  const uint32_t x = prmt(word, 0u, high_pair ? 0x3424u : 0x1404u);  // [0, b0, 0, b1]: each half its byte << 8
+  const uint32_t magnitude = x & 0x7f007f00u;
+  const uint32_t nan = prmt(magnitude + (kE4M3 ? 0x01000100u : 0x03000300u), 0u, 0xbb99u);  // 0xffff where NaN
+  uint32_t h = x;
+  if constexpr (kE4M3) h = mul_rn_f16x2((magnitude >> 1) | (x & 0x80008000u), 0x5c005c00u);  // x 2^8
+  return (h & ~nan) | (nan & 0x7fff7fffu);
+}
+
+// Four fp8 values of one 32-bit word (the low byte the first element) to float: sm_89+ has
+// cvt.rn.f16x2.e4m3x2 / e5m2x2 (PTX ISA, cvt), one instruction a pair; older GPUs take
+// fp8x2_to_half2_bits, whose prmt picks either pair of the word. Exact either way: fp8 is a subset of fp16.
+template <typename FP8>
+__device__ __forceinline__ void fp8x4_to_float(uint32_t word, float* o) {
+#pragma unroll
+  for (int pair = 0; pair < 2; ++pair) {
+#if PAGED_TARGET_ARCH >= 890
+    const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(uint16_t(word >> (16 * pair)),
+                                                      std::is_same_v<FP8, e4m3_t> ? __NV_E4M3 : __NV_E5M2);
+    const uint32_t bits = uint32_t(h2.x) | (uint32_t(h2.y) << 16);
+#else
+    const uint32_t bits = fp8x2_to_half2_bits<FP8>(word, pair == 1);
+#endif
+    __half_raw lo, hi;
+    lo.x = uint16_t(bits);
+    hi.x = uint16_t(bits >> 16);
+    o[2 * pair] = to_float(__half(lo));
+    o[2 * pair + 1] = to_float(__half(hi));
+  }
 }
 
 template <typename T>
@@ -255,9 +323,8 @@ __device__ __forceinline__ void load8(const T* p, float (&o)[8], bool aligned, f
       for (int i = 0; i < 8; ++i) o[i] = to_float(h[i]);
     } else {
       const uint2 u = *reinterpret_cast<const uint2*>(p);
-      const uint32_t w[2] = {u.x, u.y};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) fp8x2_to_float2<T>(uint16_t(w[i / 2] >> (16 * (i % 2))), o[2 * i], o[2 * i + 1]);
+      fp8x4_to_float<T>(u.x, o);
+      fp8x4_to_float<T>(u.y, o + 4);
     }
   } else {
 #pragma unroll

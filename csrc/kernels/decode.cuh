@@ -479,23 +479,12 @@ __device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>&
   }
 }
 
-// The architecture the kernel is compiled for: nvcc's __CUDA_ARCH__ in device code; in the
-// emulator's builds PAGED_EMU_CUDA_ARCH (csrc/cuda_emu/kernels_decode_sm80.cpp builds the sm_80
-// choice, kernels_decode.cpp sm_90's), so both of the choices below run under the emulator.
-#if defined(__CUDA_ARCH__)
-#define PAGED_DECODE_ARCH __CUDA_ARCH__
-#elif defined(PAGED_EMU_CUDA_ARCH)
-#define PAGED_DECODE_ARCH PAGED_EMU_CUDA_ARCH
-#else
-#define PAGED_DECODE_ARCH 900
-#endif
-
 // Token rows a token group takes per step of decode_kernel<T, KV, TPT, G> (one rescale a step).
 // sm_80 / 86 / 89 allocate G = 4 tighter: the scores of even two rows a step spill 8-16 B there at
 // the 128-register cap (cuobjdump -res-usage), one row a step does not.
 template <int G, typename KV>
 PAGED_HOST_DEVICE constexpr int decode_kernel_rows_per_step() {
-  return PAGED_DECODE_ARCH < 900 && G == kMaxHeadsPerThread ? 1 : decode_rows_per_step(int(sizeof(KV)));
+  return PAGED_TARGET_ARCH < 900 && G == kMaxHeadsPerThread ? 1 : decode_rows_per_step(int(sizeof(KV)));
 }
 // The same for decode_wide_kernel<T, KV, G, KC, VC> (plan.h decode_wide_rows_per_step).
 template <typename KV>
