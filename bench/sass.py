@@ -147,14 +147,14 @@ def _prefill(args, d=128):  # prefill_kernel<T, KV> (prefill_wide_kernel: head 5
     return threads, smem(bn), f"head {d}, {bn}-key tiles"
 
 
-def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, DK, DV, kScoreMods>: Q, K of DK, V of DV, 16-bit
-    dk = int(args[1])
-    dv = int(args[2]) if len(args) > 2 else dk
+def _prefill_tc_pipelined(args):  # prefill_tc_pipelined_kernel<T, KV, DK, DV, kScoreMods>: Q, K of DK, V of DV
+    dk, dv, fp8 = int(args[2]), int(args[3]), _elem(args[1]) == 1
     rows = PLAN["kTcRows"] * (2 if dv <= 128 else 1)  # plan.h tc_pipelined_rows (tc_pipelined_row_frags)
-    smem = lambda bn: ((rows + bn) * dk + bn * dv) * 2  # noqa: E731 plan.h tc_pipelined_smem
+    # plan.h tc_pipelined_smem: 16-bit Q, K, V tiles, and an fp8 cache's staging tiles
+    smem = lambda bn: ((rows + bn) * dk + bn * dv) * 2 + (bn * (dk + dv) if fp8 else 0)  # noqa: E731
     kv = 64 if dv <= 128 and smem(64) <= 99 * 1024 else 32  # plan.h tc_pipelined_kv_tile (kPrefillMaxSmem)
-    mods = ", soft-cap / ALiBi" if len(args) > 3 and args[3] == "true" else ""
-    return PLAN["kTcThreads"], smem(kv), f"head {dk}/{dv}, {rows} x {kv} tiles{mods}"
+    mods = ", soft-cap / ALiBi" if args[4] == "true" else ""
+    return PLAN["kTcThreads"], smem(kv), f"head {dk}/{dv}, {rows} x {kv} tiles{', fp8 staged' if fp8 else ''}{mods}"
 
 
 def _prefill_tc(args):  # prefill_tc_kernel<T, KV, DMAX>: Q, K, V tiles of 16-bit elements, head DMAX
@@ -190,11 +190,12 @@ def path_of(family: str, args: list[str]) -> str:
     """decode_kernel's two compiled KV loops (its last template argument, plan.h decode_fast_path):
     'fast' (no soft-cap / ALiBi code, 16-byte copies, power-of-two blocks) or 'general';
     prefill_tc_pipelined_kernel's two (kScoreMods, plan.h score_mods): 'plain' (the scores take one
-    multiply) or 'score mods' (soft-cap / ALiBi); '' elsewhere."""
+    multiply) or 'score mods' (soft-cap / ALiBi), each with ', fp8' over an fp8 cache (staged tiles
+    widened in shared memory); '' elsewhere."""
     if family == "decode_kernel" and args and args[-1] in ("true", "false"):
         return "fast" if args[-1] == "true" else "general"
-    if family == "prefill_tc_pipelined_kernel" and len(args) == 4:  # its kScoreMods instance or the plain one
-        return "score mods" if args[-1] == "true" else "plain"
+    if family == "prefill_tc_pipelined_kernel" and len(args) == 5:  # its kScoreMods instance or the plain one
+        return ("score mods" if args[-1] == "true" else "plain") + (", fp8" if _elem(args[1]) == 1 else "")
     return ""
 
 
@@ -494,9 +495,10 @@ def elf_section(path: str, name: str) -> bytes | None:
 
 def cached_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY_NS, keep: int = 4) -> list[dict]:
     """kernel_rows, kept under build/sass-cache by a digest of the device code (the .so's .nv_fatbin,
-    or the whole file), so relinking the host code does not redo it; the newest `keep` are kept."""
+    or the whole file) and of this module (a changed model or launch table redoes it), so relinking
+    the host code does not; the newest `keep` are kept."""
     code = elf_section(path, ".nv_fatbin") or Path(path).read_bytes()
-    digest = hashlib.sha1(code + repr((archs, latency_ns)).encode()).hexdigest()[:16]
+    digest = hashlib.sha1(code + Path(__file__).read_bytes() + repr((archs, latency_ns)).encode()).hexdigest()[:16]
     cache = CACHE_DIR / f"{Path(path).name}-{digest}.json"
     if cache.exists():
         return json.loads(cache.read_text())

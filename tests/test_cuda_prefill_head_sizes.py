@@ -2,11 +2,12 @@
 prefill kernels (csrc/kernels/prefill.cuh) with each kernel forced through the test namespace's
 prefill_attention_config (tests/test_attention_head_sizes.py runs the public op):
 
-- the pipelined tensor-core kernel (a 16-bit cache of the query's dtype, 16-byte aligned rows): its
-  (192, 128) instance (DeepSeek's non-absorbed prefill, and any 128 < Dk <= 192 with Dv <= 128:
-  Dk 136 pads a k-step, Dv 72 an n-tile pair) and the square instances at Dv < Dk (Dv runtime);
-- the general tensor-core kernel: fp8 caches (k_scale for K, v_scale for V), a value view whose
-  rows are not 16-byte aligned;
+- the pipelined tensor-core kernel (a 16-bit cache of the query's dtype, or fp8 heads of multiples
+  of 16, 16-byte aligned rows): its (192, 128) instance (DeepSeek's non-absorbed prefill, and any
+  128 < Dk <= 192 with Dv <= 128: Dk 136 pads a k-step, Dv 72 an n-tile pair), the square instances
+  at Dv < Dk (Dv runtime), and fp8 caches through its staging tiles (k_scale for K, v_scale for V);
+- the general tensor-core kernel: fp8 caches of other heads or rows, a value view whose rows are not
+  16-byte aligned;
 - the CUDA-core kernel: forced, fp32 queries, and every head above 256 (576 / 512: plan.h
   kTcMaxHeadSize; a tensor-core config falls back to it there), its wide instance (72 chunks);
 - value_cache a view into key_cache's storage (absorbed MLA), never written;
@@ -102,8 +103,9 @@ def test_infinite_value_of_a_partly_hidden_key(target, dk, dv, config):
 @pytest.mark.parametrize("dk,dv,config", [(192, 128, TC), (136, 72, TC), (192, 128, CUDA_CORES),
                                           (576, 512, TC)])
 def test_fp8_caches(target, cache_dtype, dk, dv, config):
-    """fp8 caches (the general tensor-core kernel up to 256, the CUDA-core one above) with their own K
-    and V scales of different forms (per KV head / per tensor, per tensor / per sequence)."""
+    """fp8 caches (the tensor-core kernels up to 256: 192 / 128 the pipelined one, 136 / 72 the general
+    one; the CUDA-core kernel above) with their own K and V scales of different forms (per KV head /
+    per tensor, per tensor / per sequence)."""
     seed = dk + (cache_dtype == E5M2)
     kind = ("head/tensor", "tensor/seq")[seed % 2]  # K and V scaled apart
     case = case_of(dk, dv, dtype=(F16, BF16)[seed % 2], cache_dtype=cache_dtype, group=2, block_size=(16, 3)[seed % 2],
@@ -111,6 +113,63 @@ def test_fp8_caches(target, cache_dtype, dk, dv, config):
                    num_kv_heads=1 if dk == 576 else 2, seq_lens=[40, 9] if dk == 576 else SEQ_LENS,
                    q_lens=[20, 9] if dk == 576 else Q_LENS)
     check_unwritten(case, config, True, target, softcap=6.0)
+
+
+FP8_PIPELINED = [(128, 128, "plain"), (64, 64, "window"), (256, 256, "sinks"), (192, 128, "alibi"),
+                 (128, 64, "all"), (160, 32, "softcap")]
+
+
+@pytest.mark.parametrize("cache_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("dk,dv,variant", FP8_PIPELINED)
+def test_fp8_caches_in_the_pipelined_kernel(target, cache_dtype, dk, dv, variant):
+    """fp8 caches whose heads are multiples of 16 and rows 16-byte aligned take the pipelined
+    kernel (plan.h): each thread copies K / V tiles into fp8 staging tiles by cp.async and widens
+    its own chunks into the 16-bit tiles (prefill.cuh widen_fp8x16), K and V scaled apart; every
+    instance (64, 128, 256, DeepSeek's 192 / 128; Dv < Dk), both query dtypes, odd block sizes (the
+    page by FastDivmod), each variant (soft-cap / ALiBi: the score-mods instance)."""
+    seed = dk + dv + (cache_dtype == E5M2) + len(variant)
+    kind = ("head/tensor", "tensor/seq")[seed % 2]
+    case = case_of(dk, dv, dtype=(F16, BF16)[seed % 2], cache_dtype=cache_dtype, group=1 + seed % 3,
+                   block_size=(16, 3, 8)[seed % 3], scale_kind=kind, seed=seed)
+    kw = VARIANTS[variant](case.query.shape[1], seed)
+    case.poison_hidden(True, **kw)  # keys no row sees hold NaN: never read, or held back
+    check_unwritten(case, TC, True, target, **kw)
+    if target == "emu":
+        assert _ldmatrix_count(case, case.new_out()) > 0, "the pipelined kernel (ldmatrix) ran"
+
+
+@pytest.mark.skipif("emu" not in TARGETS, reason="the emulator's ldmatrix count: cuda_emu is not built")
+@pytest.mark.parametrize("dk,dv,offset,pipelined", [(128, 128, 0, True), (136, 72, 0, False), (128, 128, 8, False)])
+def test_fp8_caches_take_the_pipelined_kernel_where_their_rows_allow(dk, dv, offset, pipelined):
+    """plan.h: an fp8 row goes by 16-byte chunks of 16 elements, so heads of whole chunks and 16-byte
+    aligned rows take the pipelined kernel; 136 / 72 (8-element tails) and rows 8 bytes off a 16-byte
+    boundary take the general one. Both right against the reference."""
+    case = case_of(dk, dv, dtype=BF16, cache_dtype=E4M3, group=2, block_size=16, seed=dk + offset)
+    if offset:
+        for name in ("key_cache", "value_cache"):
+            c = getattr(case, name)
+            wide = torch.zeros((*c.shape[:3], c.shape[3] + offset), dtype=torch.uint8).view(E4M3)
+            wide[..., offset:] = c
+            setattr(case, name, wide[..., offset:])
+        assert case.key_cache.data_ptr() % 16 == offset
+    out = case.new_out()
+    assert (_ldmatrix_count(case, out) > 0) == pipelined
+    assert_close(out, case.reference_prefill(), case.dtype)
+
+
+@pytest.mark.parametrize("cache_dtype,bad", [(E5M2, float("inf")), (E4M3, float("nan"))])
+def test_nonfinite_fp8_value_of_a_partly_hidden_key(target, cache_dtype, bad):
+    """The pipelined kernel's hold-back and add-back over an fp8 cache: a non-finite V (e5m2 inf,
+    e4m3 NaN: it has no inf) at the causal diagonal reaches only the rows that see its key."""
+    case = case_of(128, 128, dtype=F16, cache_dtype=cache_dtype, group=2, block_size=16, seq_lens=[50], q_lens=[30],
+                   seed=7)
+    hidden = 50 - 30 + 10  # row 10's own key: rows 0-9 do not see it
+    case.value_cache[int(case.block_tables[0, hidden // 16]), hidden % 16, :, 64] = bad
+    ref_out, ref_lse = reference_of(case)
+    out, lse = run(case, TC, True, target)
+    assert_close(out[:10], ref_out[:10], case.dtype)
+    assert_lse_close(lse, ref_lse)
+    assert not torch.isfinite(out[10:].float()).all(), "the test's premise: later rows see the value"
 
 
 def test_unaligned_value_view_takes_the_general_kernel(target):

@@ -53,6 +53,12 @@ CURRENT = {
     "prefill_tc_kernel": dict(min_hmma_share=0.004, max_spill_bytes=64),
     "prefill_tc_pipelined_kernel (plain)": dict(min_hmma_share=0.058, max_spill_bytes=288),
     "prefill_tc_pipelined_kernel (score mods)": dict(min_hmma_share=0.04, max_spill_bytes=304),
+    # Over an fp8 cache (K / V staged in fp8, widened to 16 bits in shared memory): plain 5.3-10.2%
+    # (head 128: 9.6-10.2%; 192 / 128 takes 32-key tiles there, 7.0-7.4%), score mods 4.0-6.8%; stack
+    # 32-256 B plain, up to 416 B with the score mods at head 128. The general kernel they replace
+    # for these heads: 0.6-2.1%.
+    "prefill_tc_pipelined_kernel (plain, fp8)": dict(min_hmma_share=0.052, max_spill_bytes=256),
+    "prefill_tc_pipelined_kernel (score mods, fp8)": dict(min_hmma_share=0.039, max_spill_bytes=416),
 }
 
 # decode_kernel is compiled twice per shape (bench/sass.py path_of): the fast path (plan.h
@@ -75,6 +81,8 @@ ENFORCED = {
     "prefill_tc_kernel": CURRENT["prefill_tc_kernel"],
     "prefill_tc_pipelined_kernel (plain)": CURRENT["prefill_tc_pipelined_kernel (plain)"],
     "prefill_tc_pipelined_kernel (score mods)": CURRENT["prefill_tc_pipelined_kernel (score mods)"],
+    "prefill_tc_pipelined_kernel (plain, fp8)": CURRENT["prefill_tc_pipelined_kernel (plain, fp8)"],
+    "prefill_tc_pipelined_kernel (score mods, fp8)": CURRENT["prefill_tc_pipelined_kernel (score mods, fp8)"],
 }
 
 
@@ -143,11 +151,12 @@ def test_thresholds(rows, family):
 def test_pipelined_prefill_meets_the_hmma_target_at_the_issue_shape(rows):
     """Issue #23 item 3's static target (TARGETS: tensor-core instructions >= 9% of the kernel's),
     held on the pipelined kernel at the anchors' shape: fp16 / bf16, head 128, no soft-cap or ALiBi,
-    on every arch the build carries (10.4-10.5% at this build)."""
+    on every arch the build carries (10.4-10.5% at this build), and over fp8 caches (9.6-10.2%: the
+    general kernel they took before reached 0.6-2.1%)."""
     lim = TARGETS["prefill_tc_pipelined_kernel"]
     mine = [r for r in rows
-            if r["family"] == "prefill_tc_pipelined_kernel" and r["args"][1:] == ["128", "128", "false"]]
-    assert {r["arch"] for r in mine} == {r["arch"] for r in rows}, "the head-128 plain instance on every arch"
+            if r["family"] == "prefill_tc_pipelined_kernel" and r["args"][2:] == ["128", "128", "false"]]
+    assert len(mine) == 6 * len({r["arch"] for r in rows}), "the head-128 plain instances (2 dtypes x 3 caches)"
     low = [f"{r['arch']} {r['name']}: HMMA {r['hmma_share']:.2%}" for r in mine
            if r["hmma_share"] < lim["min_hmma_share"]]
     assert not low, "\n".join(low)

@@ -218,25 +218,32 @@ __device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t word, bool high
   return (h & ~nan) | (nan & 0x7fff7fffu);
 }
 
-// Four fp8 values of one 32-bit word (the low byte the first element) to float: sm_89+ has
-// cvt.rn.f16x2.e4m3x2 / e5m2x2 (PTX ISA, cvt), one instruction a pair; older GPUs take
+// The fp16 pair (bits, the first element in the low half) of a word's low or high fp8 pair: sm_89+
+// has cvt.rn.f16x2.e4m3x2 / e5m2x2 (PTX ISA, cvt), one instruction a pair; older GPUs take
 // fp8x2_to_half2_bits, whose prmt picks either pair of the word. Exact either way: fp8 is a subset of fp16.
+template <typename FP8>
+__device__ __forceinline__ uint32_t fp8x2_to_half2(uint32_t word, bool high_pair) {
+#if PAGED_TARGET_ARCH >= 890
+  const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(uint16_t(high_pair ? word >> 16 : word),
+                                                    std::is_same_v<FP8, e4m3_t> ? __NV_E4M3 : __NV_E5M2);
+  return uint32_t(h2.x) | (uint32_t(h2.y) << 16);
+#else
+  return fp8x2_to_half2_bits<FP8>(word, high_pair);
+#endif
+}
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
+  __half_raw r;
+  r.x = bits;
+  return to_float(__half(r));
+}
+// Four fp8 values of one 32-bit word (the low byte the first element) to float.
 template <typename FP8>
 __device__ __forceinline__ void fp8x4_to_float(uint32_t word, float* o) {
 #pragma unroll
   for (int pair = 0; pair < 2; ++pair) {
-#if PAGED_TARGET_ARCH >= 890
-    const __half2_raw h2 = __nv_cvt_fp8x2_to_halfraw2(uint16_t(word >> (16 * pair)),
-                                                      std::is_same_v<FP8, e4m3_t> ? __NV_E4M3 : __NV_E5M2);
-    const uint32_t bits = uint32_t(h2.x) | (uint32_t(h2.y) << 16);
-#else
-    const uint32_t bits = fp8x2_to_half2_bits<FP8>(word, pair == 1);
-#endif
-    __half_raw lo, hi;
-    lo.x = uint16_t(bits);
-    hi.x = uint16_t(bits >> 16);
-    o[2 * pair] = to_float(__half(lo));
-    o[2 * pair + 1] = to_float(__half(hi));
+    const uint32_t bits = fp8x2_to_half2<FP8>(word, pair == 1);
+    o[2 * pair] = half_bits_to_float(uint16_t(bits));
+    o[2 * pair + 1] = half_bits_to_float(uint16_t(bits >> 16));
   }
 }
 

@@ -287,23 +287,28 @@ constexpr int kTcMaxHeadSize = 256;
 constexpr int tc_pipelined_row_frags(int dv) { return dv <= 128 ? 2 : 1; }
 constexpr int tc_pipelined_rows(int dv) { return kTcRows * tc_pipelined_row_frags(dv); }
 // Its shared memory: Q [rows] and K [bn] rows of dk elements, V [bn] rows of dv, 16-bit (one
-// buffer each: V loads during Q K^T, the next K during P V).
-constexpr size_t tc_pipelined_smem(int dk, int dv, int bn) {
-  return (size_t(tc_pipelined_rows(dv) + bn) * dk + size_t(bn) * dv) * 2;
+// buffer each: V loads during Q K^T, the next K during P V); with an fp8 cache (cache_bytes 1) also
+// the fp8 K and V tiles the copies land in ([bn] rows of dk, then of dv bytes) before the block
+// widens them into the 16-bit tiles.
+constexpr size_t tc_pipelined_smem(int dk, int dv, int bn, int cache_bytes = 2) {
+  return (size_t(tc_pipelined_rows(dv) + bn) * dk + size_t(bn) * dv) * 2 +
+         (cache_bytes == 1 ? size_t(bn) * (dk + dv) : 0);
 }
 // Its KV tile for key / value tiles dk, dv: 64 keys where o's accumulators fit beside 64 keys'
 // scores (at dv 256, 128 accumulators and 32 scores spill on sm_80) and the tiles fit the smallest
 // per-block opt-in shared memory of the GPUs built for (kPrefillMaxSmem: 64 KB at (128, 128), two
-// blocks on an A100 SM; 88 KB at DeepSeek's (192, 128)); else 32: (256, 256).
-constexpr int tc_pipelined_kv_tile(int dk, int dv) {
-  return dv <= 128 && tc_pipelined_smem(dk, dv, 64) <= kPrefillMaxSmem ? 64 : 32;
+// blocks on an A100 SM; 88 KB at DeepSeek's (192, 128)); else 32: (256, 256), and DeepSeek's
+// (192, 128) over an fp8 cache (108 KB at 64 keys).
+constexpr int tc_pipelined_kv_tile(int dk, int dv, int cache_bytes = 2) {
+  return dv <= 128 && tc_pipelined_smem(dk, dv, 64, cache_bytes) <= kPrefillMaxSmem ? 64 : 32;
 }
 
 struct PrefillPlan {
   bool tensor_cores;  // prefill_tc_kernel (fp16/bf16 queries) or the CUDA-core prefill_kernel
-  // Tensor cores on a cache of the query's dtype whose rows all start 16-byte aligned, with query rows
-  // 16-byte aligned and out rows of aligned element pairs: prefill_tc_pipelined_kernel (Q, K, V by
-  // 16-byte cp.async); fp8 caches and odd views take prefill_tc_kernel.
+  // Tensor cores on a cache of the query's dtype, or an fp8 one whose heads are multiples of 16,
+  // whose rows all start 16-byte aligned, with query rows 16-byte aligned and out rows of aligned
+  // element pairs: prefill_tc_pipelined_kernel (Q, K, V by 16-byte cp.async; fp8 tiles widened to
+  // 16 bits in shared memory); other views and fp8 heads take prefill_tc_kernel.
   bool pipelined;
   // The soft-cap or ALiBi is on: the pipelined kernel's kScoreMods instance (without them its
   // scores take one multiply).
@@ -347,15 +352,22 @@ inline PrefillPlan plan_prefill(const AttentionParams& p, const LaunchConfig& cf
     pl.head_tile = dk <= 64 ? 64 : dk <= 128 ? 128 : 256;
     pl.value_tile = pl.head_tile;
     // The pipelined kernel takes aligned views only: Q rows by 16-byte copies, out by element pairs.
-    pl.pipelined = p.cache_dtype == p.dtype && key_cache_aligned(p) && value_cache_aligned(p) &&
-                   chunk_aligned(p.query, p.dtype, {p.q_stride_token, p.q_stride_head}) &&
+    // An fp8 row is copied in 16-byte chunks of 16 elements: heads of whole chunks, 16-byte aligned rows.
+    const bool fp8_cache = p.cache_dtype == DType::E4M3 || p.cache_dtype == DType::E5M2;
+    const bool cache_fits =
+        p.cache_dtype == p.dtype ? key_cache_aligned(p) && value_cache_aligned(p)
+        : fp8_cache && dk % 16 == 0 && dv % 16 == 0 &&
+              aligned_to(p.key_cache, 1, {p.k_stride_block, p.k_stride_token, p.k_stride_head}, 16) &&
+              aligned_to(p.value_cache, 1, {p.v_stride_block, p.v_stride_token, p.v_stride_head}, 16);
+    pl.pipelined = cache_fits && chunk_aligned(p.query, p.dtype, {p.q_stride_token, p.q_stride_head}) &&
                    aligned_to(p.out, 2, {p.o_stride_token, p.o_stride_head}, 4);
     if (pl.pipelined) {
       if (dk > 128 && dk <= 192 && dv <= 128) pl.head_tile = 192, pl.value_tile = 128;
       pl.rows = tc_pipelined_rows(pl.value_tile);
       pl.score_mods = p.softcap > 0.f || p.alibi_slopes != nullptr;
-      pl.kv_tile = tc_pipelined_kv_tile(pl.head_tile, pl.value_tile);
-      pl.smem = tc_pipelined_smem(pl.head_tile, pl.value_tile, pl.kv_tile);
+      const int cache_bytes = dtype_bytes(p.cache_dtype);
+      pl.kv_tile = tc_pipelined_kv_tile(pl.head_tile, pl.value_tile, cache_bytes);
+      pl.smem = tc_pipelined_smem(pl.head_tile, pl.value_tile, pl.kv_tile, cache_bytes);
     } else {
       const int64_t Dp = (dk + 15) / 16 * 16;
       pl.smem = size_t(kTcRows + 2 * kTcKv) * (Dp + 8) * 2;  // Q, K, V tiles of 16-bit elements, rows of Dk

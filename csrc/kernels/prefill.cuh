@@ -1,9 +1,9 @@
 // Varlen paged prefill attention: three kernels over the same row tiling. The CUDA-core kernel
 // (prefill_kernel: any dtype, fp32 queries always); the tensor-core kernels for fp16/bf16 queries:
-// prefill_tc_pipelined_kernel (a cache of the query's dtype, aligned cache, query and out rows:
-// cp.async, swizzled shared memory, ldmatrix, FlashAttention-2's structure; see its comment, also
-// for sm_90) and prefill_tc_kernel (the general one: fp8 caches, odd views; synchronous staging
-// through float).
+// prefill_tc_pipelined_kernel (a cache of the query's dtype or fp8 heads of multiples of 16, aligned
+// cache, query and out rows: cp.async, swizzled shared memory, ldmatrix, FlashAttention-2's
+// structure; see its comment, also for sm_90) and prefill_tc_kernel (the general one: other fp8
+// heads, odd views; synchronous staging through float).
 // Keys and values may differ in head size (MLA): Q and K rows have Dk = head_size, V rows and out
 // Dv = value_head_size <= Dk, and value_cache may view key_cache's own storage (only read). The
 // tensor-core kernels take Dk <= 256 (plan.h kTcMaxHeadSize); the CUDA-core kernel up to 576.
@@ -647,14 +647,43 @@ __device__ __forceinline__ uint32_t nonfinite_halves(uint32_t w) {
   return ((w & kExp) == kExp ? 0xffffu : 0u) | ((w >> 16 & kExp) == kExp ? 0xffff0000u : 0u);
 }
 
-// add_back_nonfinite_v of the pipelined kernel (a 16-bit cache of 16-byte aligned rows), from P as
-// the mma took it (pa: the A fragments of P V's k-steps, 16-bit pairs; no float copy of the scores
-// stays live across P V): each key's value pairs by one 32-bit load, tested on the raw bits
+// Element pair `pair` (elements 2 pair, 2 pair + 1) of a cache row as a 16-bit pair of T: the row's
+// own bits for a 16-bit cache, an fp8 pair widened exactly (fp8 is a subset of fp16 and of bf16).
+template <typename T, typename KV>
+__device__ __forceinline__ uint32_t value_pair(const KV* row, int pair) {
+  if constexpr (std::is_same_v<KV, T>) {
+    return reinterpret_cast<const uint32_t*>(row)[pair];
+  } else {
+    const uint32_t h = fp8x2_to_half2<KV>(reinterpret_cast<const uint16_t*>(row)[pair], false);
+    if constexpr (std::is_same_v<T, __half>) return h;
+    return pack2<T>(half_bits_to_float(uint16_t(h)), half_bits_to_float(uint16_t(h >> 16)));
+  }
+}
+
+// Sixteen fp8 values (16 bytes, the first element lowest) as sixteen 16-bit values of T in two
+// 16-byte chunks: fp16 takes the pairs' bits as fp8x2_to_half2 gives them; bf16 goes through float.
+template <typename T, typename FP8>
+__device__ __forceinline__ void widen_fp8x16(const uint4& in, uint4& lo, uint4& hi) {
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t h = fp8x2_to_half2<FP8>(w[i / 2], i % 2 == 1);
+    if constexpr (std::is_same_v<T, __half>) out[i] = h;
+    else out[i] = pack2<T>(half_bits_to_float(uint16_t(h)), half_bits_to_float(uint16_t(h >> 16)));
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// add_back_nonfinite_v of the pipelined kernel (16-byte aligned rows of a 16-bit or fp8 cache), from P
+// as the mma took it (pa: the A fragments of P V's k-steps, 16-bit pairs; no float copy of the scores
+// stays live across P V): each key's value pairs by one load (value_pair), tested on the raw bits
 // (exponent all ones: inf or NaN), the key's visibility to the lane's rows decided once per key.
 // (A probability that rounds to 0 in the 16-bit P makes 0 * inf = NaN, as the mma would.)
-template <typename T, int MT, int KK, int NT_O>
+template <typename T, typename KV, int MT, int KK, int NT_O>
 __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O][4], const uint32_t (&pa)[MT][KK][4],
-                                                            const PagedKV<T>& V, int kv0, int n, int D,
+                                                            const PagedKV<KV>& V, int kv0, int n, int D,
                                                             const KeyRange (&keys)[MT][2], KeyRange seen_by_all) {
   const int lane = threadIdx.x % 32, t = lane % 4;
   uint32_t ps[MT][KK * 4];  // indexed at run time: local memory, here only
@@ -680,11 +709,11 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
         pr[mt][h] = unpack_half<T>(__shfl_sync(kFullMask, ps[mt][at + h], src), c % 2);
         sees[mt][h] = keys[mt][h].contains(tok);
       }
-    const uint32_t* vrow = reinterpret_cast<const uint32_t*>(V.row(tok)) + t;
+    const KV* vrow = V.row(tok);
 #pragma unroll
     for (int ot = 0; ot < NT_O; ++ot) {
       if (ot * 8 < D) {
-        const uint32_t w = vrow[ot * 4];
+        const uint32_t w = value_pair<T>(vrow, ot * 4 + t);
         if (!nonfinite_halves<T>(w)) continue;  // both finite: the mma has them
 #pragma unroll
         for (int k = 0; k < 2; ++k) {
@@ -701,9 +730,9 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
   }
 }
 
-// ---- Tensor-core kernel, FlashAttention-2's structure (16-bit caches, 16-byte aligned views) ---
-// For a cache of the query's dtype and query / out views whose rows are aligned (plan.pipelined:
-// 16-byte K, V and Q rows, out rows of aligned element pairs), per row tile of plan.h
+// ---- Tensor-core kernel, FlashAttention-2's structure (16-byte aligned views) -----------------
+// For a cache of the query's dtype (or fp8: below) and query / out views whose rows are aligned
+// (plan.pipelined: 16-byte K, V and Q rows, out rows of aligned element pairs), per row tile of plan.h
 // tc_pipelined_rows packed rows (4 warps x MT fragments of 16: 128 rows at value tiles <= 128, 64 at
 // 256) and KV tiles of 64 keys (32 at value tile 256: plan.h tc_pipelined_kv_tile):
 //  * Q, K and V tiles go by 16-byte cp.async straight from the query and the paged cache into shared
@@ -724,6 +753,10 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
 //    tile: the causal diagonal, window edges, the sequence's end) with the mask and the non-finite
 //    V hold-back, interior tiles with neither; softmax by ex2.approx, row sums summed across the
 //    quad once at the end; the soft-cap and ALiBi only in the kScoreMods instances.
+// An fp8 cache (heads multiples of 16) is copied the same way into fp8 staging tiles, K and V of tile
+// i + 1 both during tile i; at the top of tile i + 1 each thread widens the chunks it copied into the
+// 16-bit tiles (exact), and the rest is the 16-bit kernel's (the scales: k_scale on the scores,
+// v_scale at the store).
 // A non-finite V of a key hidden from some row cannot be kept from the copy as the general kernel
 // does; on edge tiles only, it is zeroed in shared memory after the copy lands and added back to the
 // rows that see it (add_back_nonfinite_v_paired).
@@ -781,14 +814,22 @@ struct CopyGrid {
 // tc_pipelined_row_frags(DV) fragments of 16 packed rows (two where the accumulators fit, so every
 // K / V fragment read from shared memory feeds MT mma and the tile's copies and masks serve twice
 // the rows).
-template <typename T, int DK, int DV, bool kScoreMods>
+template <typename T, typename KV, int DK, int DV, bool kScoreMods>
 __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionParams p, int64_t row_tiles) {
   PAGED_LAUNCH_BOUNDS_CHECK(128);
   static_assert(DV <= DK && DK % 64 == 0 && DV % 64 == 0, "swizzled rows: chunk ^ (row % 8) stays in the row");
-  constexpr int MT = tc_pipelined_row_frags(DV), BM = tc_pipelined_rows(DV), BN = tc_pipelined_kv_tile(DK, DV);
+  // An fp8 cache (KV != T): K and V tiles are copied into fp8 staging tiles, and each thread widens
+  // the chunks it copied into the 16-bit tiles the mma reads (widen_fp8x16: exact).
+  constexpr bool kStaged = !std::is_same_v<KV, T>;
+  static_assert(!kStaged || sizeof(KV) == 1, "the pipelined kernel's caches: the query's dtype or fp8");
+  constexpr int kCacheBytes = int(sizeof(KV));
+  constexpr int MT = tc_pipelined_row_frags(DV), BM = tc_pipelined_rows(DV),
+                BN = tc_pipelined_kv_tile(DK, DV, kCacheBytes);
   constexpr int NT_O = DV / 8, KS_MAX = DK / 16, NT_S = BN / 8;
-  using KGrid = CopyGrid<DK / 8>;  // 16-byte chunks per Q / K shared-memory row
-  using VGrid = CopyGrid<DV / 8>;  // ... per V row
+  using QGrid = CopyGrid<DK / 8>;                 // 16-byte chunks per Q (and 16-bit K) shared-memory row
+  using KGrid = CopyGrid<DK * kCacheBytes / 16>;  // ... per K row as copied from the cache
+  using VGrid = CopyGrid<DV * kCacheBytes / 16>;  // ... per V row as copied
+  using VTileGrid = CopyGrid<DV / 8>;             // ... per 16-bit V tile row (the hold-back's scan)
   // Q's fragments stay in registers for the whole KV loop where they are few (MT x DK / 4 per
   // lane <= 32); else they are re-read per k-step: beside the accumulators they would spill.
   constexpr bool kQInRegisters = MT * DK <= 128;
@@ -807,23 +848,30 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   // columns of o past Dv are never stored.
   const int D = int(p.head_size), data_chunks = D / 8;
   const int Dv = int(p.value_head_size), v_data_chunks = Dv / 8;
+  // The same in 16-byte chunks of the cache's rows (plan.h: fp8 heads are multiples of 16).
+  const int k_copy_chunks = D * kCacheBytes / 16, v_copy_chunks = Dv * kCacheBytes / 16;
 
   // [BM] Q rows, then a K tile of BN rows of DK 16-bit elements, then a V tile of BN rows of DV,
-  // swizzled (plan.h tc_pipelined_smem).
-  PAGED_DYNAMIC_SMEM(T, sm, size_t(BM + BN) * DK + size_t(BN) * DV);
+  // swizzled; an fp8 cache's staging tiles after them, rows of DK then DV bytes as copied
+  // (plan.h tc_pipelined_smem).
+  PAGED_DYNAMIC_SMEM(T, sm, (tc_pipelined_smem(DK, DV, BN, kCacheBytes) + 1) / 2);
   T* const Kt = sm + BM * DK;
   T* const Vt = sm + (BM + BN) * DK;
+  unsigned char* const k_staged = reinterpret_cast<unsigned char*>(sm + (BM + BN) * DK + BN * DV);
+  unsigned char* const v_staged = k_staged + BN * DK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int warp_row0 = warp * 16 * MT;  // the warp's first packed row in the tile
   // This thread's chunks of the rows it copies.
+  const QGrid qgrid;
   const KGrid kgrid;
   const VGrid vgrid;
+  const VTileGrid vtile_grid;
   // ldmatrix: lane l gives a row of matrix l / 8 (mma.cuh's ldmatrix).
   const int ld_mat = lane / 8, ld_row = lane % 8;
   const ScoreMod mod =
       score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh));
   const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
-  const PagedKV<T> K = paged_k<T>(p, seq, kvh), V = paged_v<T>(p, seq, kvh);
+  const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
   const uint4 zeros = make_uint4(0u, 0u, 0u, 0u);
   const FastDivmod by_block(K.block_size), by_group(group);
 
@@ -840,20 +888,24 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     // kv_end (never read from the cache: they may hold NaN or lie past the table) and the chunks
     // past the head's data are zeros, so the mma's 0 * v stays 0. FlashAttention-2's schedule, one
     // buffer each: V of tile i loads while Q K^T of tile i runs, K of tile i + 1 while P V of tile i.
-    // Row by row (V's block-table entries read again, from L1).
-    auto copy_rows = [&](const auto& grid, const PagedKV<T>& cache, T* tile, int data, int kv0) {
+    // An fp8 cache's K and V of tile i + 1 both load into the staging tiles during tile i.
+    // Row by row (V's block-table entries read again, from L1). DIM: the tile's row width
+    // (elements), for the swizzled 16-bit tile's offsets or the staging tile's rows of DIM bytes.
+    auto copy_rows = [&](const auto& grid, const PagedKV<KV>& cache, auto dim, T* tile, unsigned char* staged,
+                         int data, int kv0) {
         using Grid = std::decay_t<decltype(grid)>;
-        constexpr int kPasses = Grid::template passes<BN>();
+        constexpr int kPasses = Grid::template passes<BN>(), DIM = decltype(dim)::value;
         // Not unrolled: cp.async holds no register while in flight, so a rolled loop keeps every
         // copy of the tile outstanding all the same, at a tenth of the code (two sites).
 #pragma unroll 1
         for (int pass = 0; pass < kPasses; ++pass) {
           const int j = grid.row(pass), c = grid.chunk(pass), tok = kv0 + j;
-          T* dst = tile + (std::is_same_v<Grid, KGrid> ? swizzled_offset<DK>(j, c) : swizzled_offset<DV>(j, c));
+          void* dst = kStaged ? static_cast<void*>(staged + j * DIM + 16 * c)
+                              : static_cast<void*>(tile + swizzled_offset<DIM>(j, c));
           if (tok < kv_end && c < data) {
             const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
             copy_async(dst, cache.base + cache.block_table[in_table] * cache.stride_block + off * cache.stride_token +
-                                8 * c,
+                                (16 / kCacheBytes) * c,
                        16);
           } else {
             *reinterpret_cast<uint4*>(dst) = zeros;
@@ -861,12 +913,33 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         }
         cp_async_commit();
     };
-    auto stage_k = [&](int kv0) { copy_rows(kgrid, K, Kt, data_chunks, kv0); };
-    auto stage_v = [&](int kv0) { copy_rows(vgrid, V, Vt, v_data_chunks, kv0); };
+    auto stage_k = [&](int kv0) {
+      copy_rows(kgrid, K, std::integral_constant<int, DK>{}, Kt, k_staged, k_copy_chunks, kv0);
+    };
+    auto stage_v = [&](int kv0) {
+      copy_rows(vgrid, V, std::integral_constant<int, DV>{}, Vt, v_staged, v_copy_chunks, kv0);
+    };
+    // widen_rows (fp8 caches): the staged chunks this thread copied (its own cp.async data: visible
+    // to it after its wait, no barrier needed) into the 16-bit tile, 16 values into two swizzled chunks.
+    auto widen_rows = [&](const auto& grid, auto dim, const unsigned char* staged, T* tile) {
+      using Grid = std::decay_t<decltype(grid)>;
+      constexpr int DIM = decltype(dim)::value;
+#pragma unroll 1
+      for (int pass = 0; pass < Grid::template passes<BN>(); ++pass) {
+        const int j = grid.row(pass), c = grid.chunk(pass);
+        uint4 lo, hi;
+        widen_fp8x16<T, KV>(*reinterpret_cast<const uint4*>(staged + j * DIM + 16 * c), lo, hi);
+        *reinterpret_cast<uint4*>(tile + swizzled_offset<DIM>(j, 2 * c)) = lo;
+        *reinterpret_cast<uint4*>(tile + swizzled_offset<DIM>(j, 2 * c + 1)) = hi;
+      }
+    };
 
     __syncthreads();  // every warp is done with the previous row tile's Q and K/V tiles
-    // The first K tile loads while Q is staged.
-    if (kv_begin < kv_end) stage_k(kv_begin);
+    // The first K tile (and an fp8 cache's first V tile) loads while Q is staged.
+    if (kv_begin < kv_end) {
+      stage_k(kv_begin);
+      if constexpr (kStaged) stage_v(kv_begin);
+    }
 
     // Packed row r of the tile is (query qi, head gq of the group): one 64-bit division per row tile,
     // 32-bit ones per row (r < BM: row_q0 * group + row_g0 + r stays in int range of a row).
@@ -878,10 +951,10 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     // load_q: raw query values (the scale multiplies the scores) by 16-byte cp.async (the plan
     // takes 16-byte aligned query rows only), zeros in padding rows and columns; one commit group
     // after the first tile's two, awaited with them (rolled, as the K / V copies).
-    constexpr int kQPasses = KGrid::template passes<BM>();
+    constexpr int kQPasses = QGrid::template passes<BM>();
 #pragma unroll 1
     for (int pass = 0; pass < kQPasses; ++pass) {
-      const int r = kgrid.row(pass), c = kgrid.chunk(pass);
+      const int r = qgrid.row(pass), c = qgrid.chunk(pass);
       T* dst = sm + swizzled_offset<DK>(r, c);
       if (r < nrows && c < data_chunks)
         copy_async(dst,
@@ -940,10 +1013,23 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 
     for (int kv0 = kv_begin; kv0 < kv_end; kv0 += BN) {  // block-uniform
       const bool has_next = kv0 + BN < kv_end;
-      // In flight: this tile's K group (issued during the previous tile's P V, or above).
-      cp_async_wait<0>();
-      __syncthreads();  // K visible; every warp is done with the previous tile's V
-      stage_v(kv0);
+      if constexpr (kStaged) {
+        // In flight: this tile's K and V groups (issued during the previous tile, or above).
+        cp_async_wait<0>();
+        __syncthreads();  // every warp is done with the previous tile's K and V
+        widen_rows(kgrid, std::integral_constant<int, DK>{}, k_staged, Kt);
+        widen_rows(vgrid, std::integral_constant<int, DV>{}, v_staged, Vt);
+        if (has_next) {  // this thread's staging chunks are widened: the next tile may land there
+          stage_k(kv0 + BN);
+          stage_v(kv0 + BN);
+        }
+        __syncthreads();  // K and V visible
+      } else {
+        // In flight: this tile's K group (issued during the previous tile's P V, or above).
+        cp_async_wait<0>();
+        __syncthreads();  // K visible; every warp is done with the previous tile's V
+        stage_v(kv0);
+      }
 
       // The tile's compute, compiled twice: for an edge tile (a key hidden from some row of the
       // tile: the causal diagonal, a window's edges, the sequence's end) with the mask and the
@@ -1031,18 +1117,20 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) p_frag<T>(pa[mt][kk], s[mt], kk);
 
-        // This tile's V group, the only one in flight.
-        cp_async_wait<0>();
-        __syncthreads();  // V visible; every warp is done with this tile's K
-        if (has_next) stage_k(kv0 + BN);
+        if constexpr (!kStaged) {
+          // This tile's V group, the only one in flight.
+          cp_async_wait<0>();
+          __syncthreads();  // V visible; every warp is done with this tile's K
+          if (has_next) stage_k(kv0 + BN);
+        }
         bool add_back = false;
         if constexpr (kEdge) {
           // Non-finite V elements (exponent all ones) of keys hidden from some row: zero in the
           // tile, added back below; word by word on the raw bits.
           bool held_back = false;
 #pragma unroll 1
-          for (int pass = 0; pass < VGrid::template passes<BN>(); ++pass) {
-            const int j = vgrid.row(pass), c = vgrid.chunk(pass), tok = kv0 + j;
+          for (int pass = 0; pass < VTileGrid::template passes<BN>(); ++pass) {
+            const int j = vtile_grid.row(pass), c = vtile_grid.chunk(pass), tok = kv0 + j;
             if (c < v_data_chunks && tok < kv_end && !seen_by_all.contains(tok)) {
               uint4* at = reinterpret_cast<uint4*>(Vt + swizzled_offset<DV>(j, c));
               uint32_t w[4];
@@ -1081,7 +1169,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
             }
           }
         }
-        if (kEdge && add_back) add_back_nonfinite_v_paired(o, pa, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
+        if (kEdge && add_back) add_back_nonfinite_v_paired<T>(o, pa, V, kv0, min(BN, kv_end - kv0), Dv, keys, seen_by_all);
       };
       if (kv0 < seen_by_all.lo || kv0 + BN > seen_by_all.hi) tile_step(std::true_type{});  // block-uniform
       else tile_step(std::false_type{});
@@ -1101,7 +1189,7 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
       if constexpr (std::is_same_v<T, float>) {
         // fp32 queries have no tensor-core path (plan_prefill never picks it for them).
       } else {
-        if constexpr (std::is_same_v<KV, T>) {
+        {
           if (pl.tensor_cores && pl.pipelined) {
             auto run = [&](auto kernel) {
               PAGED_ALLOW_SMEM(kernel, pl.smem);
@@ -1110,10 +1198,10 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
             };
             auto run_heads = [&](auto mods) {
               constexpr bool kMods = decltype(mods)::value;
-              if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, 64, 64, kMods>);
-              else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, 128, 128, kMods>);
-              else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, 192, 128, kMods>);
-              else run(prefill_tc_pipelined_kernel<T, 256, 256, kMods>);
+              if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, KV, 64, 64, kMods>);
+              else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, KV, 128, 128, kMods>);
+              else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, KV, 192, 128, kMods>);
+              else run(prefill_tc_pipelined_kernel<T, KV, 256, 256, kMods>);
             };
             if (pl.score_mods) run_heads(std::true_type{});
             else run_heads(std::false_type{});
