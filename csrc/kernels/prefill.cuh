@@ -647,31 +647,31 @@ __device__ __forceinline__ uint32_t nonfinite_halves(uint32_t w) {
   return ((w & kExp) == kExp ? 0xffffu : 0u) | ((w >> 16 & kExp) == kExp ? 0xffff0000u : 0u);
 }
 
+// A word's low or high fp8 pair as a 16-bit pair of T, exactly (fp8 is a subset of fp16 and of bf16):
+// fp16 takes the pair conversion's bits, bf16 goes through float.
+template <typename T, typename FP8>
+__device__ __forceinline__ uint32_t fp8x2_to_pair(uint32_t word, bool high_pair) {
+  const uint32_t h = fp8x2_to_half2<FP8>(word, high_pair);
+  if constexpr (std::is_same_v<T, __half>) return h;
+  else return pack2<T>(half_bits_to_float(uint16_t(h)), half_bits_to_float(uint16_t(h >> 16)));
+}
+
 // Element pair `pair` (elements 2 pair, 2 pair + 1) of a cache row as a 16-bit pair of T: the row's
-// own bits for a 16-bit cache, an fp8 pair widened exactly (fp8 is a subset of fp16 and of bf16).
+// own bits for a 16-bit cache, an fp8 pair widened.
 template <typename T, typename KV>
 __device__ __forceinline__ uint32_t value_pair(const KV* row, int pair) {
-  if constexpr (std::is_same_v<KV, T>) {
-    return reinterpret_cast<const uint32_t*>(row)[pair];
-  } else {
-    const uint32_t h = fp8x2_to_half2<KV>(reinterpret_cast<const uint16_t*>(row)[pair], false);
-    if constexpr (std::is_same_v<T, __half>) return h;
-    return pack2<T>(half_bits_to_float(uint16_t(h)), half_bits_to_float(uint16_t(h >> 16)));
-  }
+  if constexpr (std::is_same_v<KV, T>) return reinterpret_cast<const uint32_t*>(row)[pair];
+  else return fp8x2_to_pair<T, KV>(reinterpret_cast<const uint16_t*>(row)[pair], false);
 }
 
 // Sixteen fp8 values (16 bytes, the first element lowest) as sixteen 16-bit values of T in two
-// 16-byte chunks: fp16 takes the pairs' bits as fp8x2_to_half2 gives them; bf16 goes through float.
+// 16-byte chunks.
 template <typename T, typename FP8>
 __device__ __forceinline__ void widen_fp8x16(const uint4& in, uint4& lo, uint4& hi) {
   const uint32_t w[4] = {in.x, in.y, in.z, in.w};
   uint32_t out[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t h = fp8x2_to_half2<FP8>(w[i / 2], i % 2 == 1);
-    if constexpr (std::is_same_v<T, __half>) out[i] = h;
-    else out[i] = pack2<T>(half_bits_to_float(uint16_t(h)), half_bits_to_float(uint16_t(h >> 16)));
-  }
+  for (int i = 0; i < 8; ++i) out[i] = fp8x2_to_pair<T, FP8>(w[i / 2], i % 2 == 1);
   lo = make_uint4(out[0], out[1], out[2], out[3]);
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
@@ -1189,24 +1189,22 @@ inline void launch(const AttentionParams& p, const PrefillPlan& pl, Stream strea
       if constexpr (std::is_same_v<T, float>) {
         // fp32 queries have no tensor-core path (plan_prefill never picks it for them).
       } else {
-        {
-          if (pl.tensor_cores && pl.pipelined) {
-            auto run = [&](auto kernel) {
-              PAGED_ALLOW_SMEM(kernel, pl.smem);
-              PAGED_LAUNCH(kernel, grid, dim3(kTcThreads), pl.smem, stream, p, pl.row_tiles);
-              PAGED_CHECK_LAUNCH("prefill_tc_pipelined_kernel");
-            };
-            auto run_heads = [&](auto mods) {
-              constexpr bool kMods = decltype(mods)::value;
-              if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, KV, 64, 64, kMods>);
-              else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, KV, 128, 128, kMods>);
-              else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, KV, 192, 128, kMods>);
-              else run(prefill_tc_pipelined_kernel<T, KV, 256, 256, kMods>);
-            };
-            if (pl.score_mods) run_heads(std::true_type{});
-            else run_heads(std::false_type{});
-            return;
-          }
+        if (pl.tensor_cores && pl.pipelined) {
+          auto run = [&](auto kernel) {
+            PAGED_ALLOW_SMEM(kernel, pl.smem);
+            PAGED_LAUNCH(kernel, grid, dim3(kTcThreads), pl.smem, stream, p, pl.row_tiles);
+            PAGED_CHECK_LAUNCH("prefill_tc_pipelined_kernel");
+          };
+          auto run_heads = [&](auto mods) {
+            constexpr bool kMods = decltype(mods)::value;
+            if (pl.head_tile == 64) run(prefill_tc_pipelined_kernel<T, KV, 64, 64, kMods>);
+            else if (pl.head_tile == 128) run(prefill_tc_pipelined_kernel<T, KV, 128, 128, kMods>);
+            else if (pl.head_tile == 192) run(prefill_tc_pipelined_kernel<T, KV, 192, 128, kMods>);
+            else run(prefill_tc_pipelined_kernel<T, KV, 256, 256, kMods>);
+          };
+          if (pl.score_mods) run_heads(std::true_type{});
+          else run_heads(std::false_type{});
+          return;
         }
         if (pl.tensor_cores) {
           auto run = [&](auto kernel) {
