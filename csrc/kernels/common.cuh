@@ -208,7 +208,7 @@ __device__ __forceinline__ uint32_t mul_rn_f16x2(uint32_t a, uint32_t b) {
 // - NaN (e4m3: magnitude 0x7f; e5m2: above 0x7c) is found by adding to the magnitude so that exactly
 //   those carry into their half's bit 15, which prmt's sign mode spreads over the half.
 template <typename FP8>
-__device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t word, bool high_pair = false) {
+__device__ __forceinline__ uint32_t fp8x2_to_half2_bits(uint32_t word, bool high_pair) {
   constexpr bool kE4M3 = std::is_same_v<FP8, e4m3_t>;
   const uint32_t x = prmt(word, 0u, high_pair ? 0x3424u : 0x1404u);  // [0, b0, 0, b1]: each half its byte << 8
   const uint32_t magnitude = x & 0x7f007f00u;
