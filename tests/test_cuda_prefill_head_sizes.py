@@ -172,6 +172,35 @@ def test_nonfinite_fp8_value_of_a_partly_hidden_key(target, cache_dtype, bad):
     assert not torch.isfinite(out[10:].float()).all(), "the test's premise: later rows see the value"
 
 
+# Partly hidden keys (seq_len 50, q_len 30: row i sees keys <= 20 + i) at every k-step of a 64-key tile
+# (16 keys each) and in both 8-key halves of one (the A fragment's registers 0 / 1 and 2 / 3), and in
+# both 32-key tiles at value tile 256: a non-finite V of each, in a column of its own.
+HIDDEN_KEYS = [21, 26, 33, 41, 46, 49]
+
+
+@pytest.mark.parametrize("dk,dv,dtype,cache_dtype", [(128, 128, F16, None), (64, 64, BF16, None),
+                                                     (256, 256, F16, None), (192, 128, BF16, None),
+                                                     (128, 128, BF16, E5M2)])
+def test_nonfinite_values_of_hidden_keys_across_a_tile(target, dk, dv, dtype, cache_dtype):
+    """The pipelined kernel's add-back finds each held-back key's probability in P's fragments (the
+    k-step and register its column lands in): every row that sees a key gets its inf, no other row
+    does, and the finite outputs match the reference."""
+    case = case_of(dk, dv, dtype=dtype, cache_dtype=cache_dtype, group=2, block_size=16, seq_lens=[50],
+                   q_lens=[30], seed=dk + dv)
+    for n, key in enumerate(HIDDEN_KEYS):
+        case.value_cache[int(case.block_tables[0, key // 16]), key % 16, :, 4 * n + 1] = float("inf")
+    ref_out, ref_lse = reference_of(case)
+    out, lse = run(case, TC, True, target)
+    if target == "emu":
+        assert _ldmatrix_count(case, case.new_out()) > 0, "the pipelined kernel ran"
+    finite = torch.isfinite(ref_out)
+    assert (~finite).any(dim=(1, 2))[:20].sum() == 20 - 1, "the test's premise: rows 1-19 see some key"
+    assert torch.equal(torch.isfinite(out.double()), finite), "inf exactly in the rows that see each key"
+    assert torch.equal(out.double()[~finite], ref_out[~finite]), "+inf, never NaN"
+    assert_close(torch.where(finite, out.double(), 0.0).to(case.dtype), torch.where(finite, ref_out, 0.0), case.dtype)
+    assert_lse_close(lse, ref_lse)
+
+
 def test_unaligned_value_view_takes_the_general_kernel(target):
     """A value_cache whose rows start 8 bytes off a 16-byte boundary: no cp.async, element loads."""
     case = case_of(192, 128, dtype=BF16, group=2, block_size=16, seed=12)

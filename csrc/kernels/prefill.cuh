@@ -686,27 +686,30 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
                                                             const PagedKV<KV>& V, int kv0, int n, int D,
                                                             const KeyRange (&keys)[MT][2], KeyRange seen_by_all) {
   const int lane = threadIdx.x % 32, t = lane % 4;
-  uint32_t ps[MT][KK * 4];  // indexed at run time: local memory, here only
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int kk = 0; kk < KK; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) ps[mt][kk * 4 + i] = pa[mt][kk][i];
 #pragma unroll 1
   for (int c = 0; c < n; ++c) {
     const int tok = kv0 + c;
     if (seen_by_all.contains(tok)) continue;  // its values were staged as they are (warp-uniform)
     // Key c is element e = c % 2 of the pair of quad lane t' = (c % 8) / 2 in register
     // 2 ((c / 8) % 2) + h of k-step c / 16 (mma.cuh's A layout; h: row g or g + 8).
-    const int src = (lane & ~3) | ((c % 8) / 2), at = (c / 16) * 4 + 2 * ((c / 8) % 2);
+    const int src = (lane & ~3) | ((c % 8) / 2), kstep = c / 16, reg = 2 * ((c / 8) % 2);
     float pr[MT][2];
     bool sees[MT][2];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        pr[mt][h] = unpack_half<T>(__shfl_sync(kFullMask, ps[mt][at + h], src), c % 2);
+        // Picked by compile-time indices: a run-time index would need pa in local memory, a stack
+        // frame in every instance for a path that rarely runs. (add_back_nonfinite_v keeps its
+        // indexed copy of s: written this way there, ptxas moved s itself to local memory in the
+        // main loop.)
+        uint32_t word = 0;
+#pragma unroll
+        for (int kk = 0; kk < KK; ++kk)
+#pragma unroll
+          for (int r = 0; r < 4; r += 2)
+            if (kk == kstep && r == reg) word = pa[mt][kk][r + h];
+        pr[mt][h] = unpack_half<T>(__shfl_sync(kFullMask, word, src), c % 2);
         sees[mt][h] = keys[mt][h].contains(tok);
       }
     const KV* vrow = V.row(tok);
