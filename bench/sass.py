@@ -115,7 +115,7 @@ def _merge_floats(ntg: int, gstride: int, d: int) -> int:  # plan.h merge_floats
     return ntg * gstride * (d + 2)
 
 
-def _decode(args):  # decode_kernel<T, KV, TPT, G, kFast>, group = G: plan_decode_shape + decode_smem
+def _decode(args):  # decode_kernel<T, KV, TPT, G, kFast, kScoreMods>, group = G: plan_decode_shape + decode_smem
     tpt, g, elem = int(args[2]), int(args[3]), _elem(args[1])
     head, threads = 8 * tpt, PLAN["kDecodeThreads"]  # each lane owns 8 dims (lanes_per_token)
     ntg = threads // tpt  # one head tile: every token group serves it
@@ -187,13 +187,14 @@ ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
 
 
 def path_of(family: str, args: list[str]) -> str:
-    """decode_kernel's two compiled KV loops (its last template argument, plan.h decode_fast_path):
-    'fast' (no soft-cap / ALiBi code, 16-byte copies, power-of-two blocks) or 'general';
+    """decode_kernel's compiled KV loops (its kFast, kScoreMods template arguments, plan.h
+    decode_fast_path): 'fast' (16-byte copies, power-of-two blocks, no soft-cap / ALiBi code), 'fast,
+    score mods' (the same with them: caches of the query's dtype) or 'general' (every case);
     prefill_tc_pipelined_kernel's two (kScoreMods, plan.h score_mods): 'plain' (the scores take one
     multiply) or 'score mods' (soft-cap / ALiBi), each with ', fp8' over an fp8 cache (staged tiles
     widened in shared memory); '' elsewhere."""
-    if family == "decode_kernel" and args and args[-1] in ("true", "false"):
-        return "fast" if args[-1] == "true" else "general"
+    if family == "decode_kernel" and len(args) == 6:
+        return ("fast" + (", score mods" if args[5] == "true" else "")) if args[4] == "true" else "general"
     if family == "prefill_tc_pipelined_kernel" and len(args) == 5:  # its kScoreMods instance or the plain one
         return ("score mods" if args[-1] == "true" else "plain") + (", fp8" if _elem(args[1]) == 1 else "")
     return ""
@@ -572,7 +573,7 @@ def markdown(rows: list[dict], full: bool = False) -> str:
 DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8), ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8),
                  ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8), ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8)]
 PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
-               "tile_tokens", "smem", "blocks_per_sm", "fast_path")  # csrc/cuda_emu/backend.cpp decode_plan
+               "tile_tokens", "smem", "blocks_per_sm", "fast_path", "score_mods")  # csrc/cuda_emu/backend.cpp decode_plan
 
 
 def decode_plan(num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, sms: int, head: int = 128,
@@ -639,8 +640,9 @@ def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS) -
         plan = decode_plan(seqs, ctx, heads, kv_heads, dev.sms)
         if plan is None:
             return []
-        args = ["__nv_bfloat16", "__nv_bfloat16", "16", str(plan["heads_per_thread"]),
-                "true" if plan["fast_path"] else "false"]
+        fast, mods = bool(plan["fast_path"]), bool(plan["score_mods"] or not plan["fast_path"])
+        args = ["__nv_bfloat16", "__nv_bfloat16", "16", str(plan["heads_per_thread"]), str(fast).lower(),
+                str(mods).lower()]
         row = next((r for r in rows if r["arch"] == "sm_90" and r["family"] == "decode_kernel" and r["args"] == args
                     and "warps" in r and "issue_share" in r.get("loop", {})), None)
         if row:

@@ -151,13 +151,17 @@ def test_odd_views_and_block_sizes(block_size, group):
 
 
 def test_the_fast_path_is_the_plain_loop():
-    # plan.h decode_fast_path: decode_kernel<..., true> is compiled without the soft-cap and ALiBi
-    # code, with 16-byte copies and a shift for the page, so a call needing any of those must not take it.
+    # plan.h decode_fast_path: decode_kernel<..., true, *> is compiled with 16-byte copies and a shift
+    # for the page, so a call needing other copies or a division must not take it; its soft-cap / ALiBi
+    # instances (<..., true, true>: the plan's score_mods) exist for caches of the query's dtype only.
     case = make_case([5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16, seed=4)
-    assert plan(case)["fast_path"]
+    assert plan(case)["fast_path"] and not plan(case)["score_mods"]
     assert plan(case, partition_size=32, force_split=1)["fast_path"]  # split-KV: outside the loop
-    assert not plan(case, softcap=30.0)["fast_path"]
-    assert not plan(case, alibi_slopes=torch.rand(8))["fast_path"]
+    for mods in (dict(softcap=30.0), dict(alibi_slopes=torch.rand(8)), dict(softcap=30.0, alibi_slopes=torch.rand(8))):
+        assert plan(case, **mods)["fast_path"] and plan(case, **mods)["score_mods"]
+        fp8 = make_case([5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16,
+                        cache_dtype=torch.float8_e4m3fn, scale_kind="head", seed=5)
+        assert plan(fp8)["fast_path"] and not plan(fp8, **mods)["fast_path"]  # the general loop's soft-cap / ALiBi
     assert not plan(odd_views(case))["fast_path"]
     for block_size in (1, 64):
         assert plan(make_case([9], num_heads=4, num_kv_heads=1, head_size=64, block_size=block_size,
@@ -178,8 +182,9 @@ def test_the_fast_path_is_the_plain_loop():
 @pytest.mark.parametrize("variant", ["none", "window_sinks_lse", "softcap", "alibi"])
 @pytest.mark.parametrize("split", [False, True])
 def test_both_loops_against_the_reference(variant, cache_dtype, split):
-    # The same shape through the fast loop (no modifier, or only those acting outside the loop) and
-    # the general one (soft-cap, ALiBi), one pass and split.
+    # The same shape through the fast loop (no modifier, or only those acting outside the loop; the
+    # soft-cap and ALiBi in its score-mods instance over a 16-bit cache) and the general one (soft-cap,
+    # ALiBi over fp8), one pass and split.
     num_heads = 8
     case = make_case([1, 30, 200], num_heads=num_heads, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=len(variant) + split,
@@ -189,7 +194,9 @@ def test_both_loops_against_the_reference(variant, cache_dtype, split):
           "window_sinks_lse": dict(window_left=50, sinks=torch.randn(num_heads, generator=g))}[variant]
     config = dict(force_split=1, partition_size=32) if split else dict(partition_size=-1)
     on_plan = {k: v for k, v in kw.items() if k in ("softcap", "alibi_slopes")}
-    assert plan(case, **on_plan, **config)["fast_path"] == (variant in ("none", "window_sinks_lse"))
+    mods = variant in ("softcap", "alibi")
+    pl = plan(case, **on_plan, **config)
+    assert (pl["fast_path"], pl["score_mods"]) == (not (mods and cache_dtype), mods and not cache_dtype)
     want, want_lse = case.reference_decode_lse(**kw)
     out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
     selftest.decode_attention_config(*case.decode_args(out), config_list(**config), **kw, lse=lse)

@@ -90,3 +90,27 @@ def test_batch_invariant_row_is_the_same_bits_alone_and_in_a_batch(arch):
     paged_ops.backend("cuda_emu").decode_attention(alone, query[:1], key_cache, value_cache, block_tables[:1],
                                                    seq_lens[:1], *rest, batch_invariant=True)
     assert torch.equal(alone[0].view(torch.int16), out[0].view(torch.int16))
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 2, 2), (128, 8, 4), (256, 8, 2), (128, 16, 2)])
+@pytest.mark.parametrize("split", [False, True])
+def test_fast_loop_with_score_mods(arch, dtype, head_size, num_heads, num_kv_heads, split):
+    """decode_kernel<T, T, TPT, G, true, true> (plan.h score_mods): the soft-cap and ALiBi compiled into
+    the fast loop, at every head tile G (groups 1, 2, 4, 8) and lanes per token TPT (heads 64, 128,
+    256), one pass and split, with a sink and the lse, against the float64 reference."""
+    from tests.test_cuda_decode_plan import config_list, plan  # noqa: PLC0415
+
+    case = make_case([1, 37, 300], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                     block_size=16, dtype=dtype, seed=head_size + num_heads + split)
+    variants = make_variants(num_heads, softcap=20.0, alibi=True, sinks=True)
+    config = dict(force_split=1, partition_size=64) if split else dict(partition_size=-1)
+    pl = plan(case, softcap=variants["softcap"], alibi_slopes=variants["alibi_slopes"], **config)
+    assert pl["fast_path"] and pl["score_mods"] and pl["split"] == split
+    case.poison_hidden(**variants)
+    out = nan_like(case.query)
+    lse = torch.full(case.query.shape[:2], float("nan"))
+    selftest.decode_attention_config(*case.decode_args(out), config_list(**config), lse=lse, **variants)
+    want, want_lse = case.reference_decode_lse(**variants)
+    assert_close(out, want, dtype, f"sm_{arch}")
+    assert_lse_close(lse, want_lse, dtype, f"sm_{arch}")

@@ -29,12 +29,14 @@
 //    heads: two blocks of 8 a row, next to each other on grid x, so the second reads hit L2).
 //  * Softmax rescale once per step of decode_rows_per_step tokens per token group (the default tile
 //    is one step), not per token.
-//  * The common case compiled on its own: decode_kernel<..., kFast = true> (plan.h decode_fast_path:
-//    no soft-cap or ALiBi, 16-byte copies, a power-of-two block size, head 64 / 128 / 256 for keys and
+//  * The common case compiled on its own: decode_kernel<..., kFast = true, kScoreMods> (plan.h
+//    decode_fast_path: 16-byte copies, a power-of-two block size, head 64 / 128 / 256 for keys and
 //    values) has none of the other cases' code in its KV loop: the copies unrolled at a constant
 //    pitch, the page by a shift, fp8 scales moved onto q and the accumulators, exp2 by one
-//    ex2.approx (exp2_approx). Everything else (windows, sinks, lse, split-KV) acts outside the
-//    loop and takes either kernel.
+//    ex2.approx (exp2_approx). The soft-cap and ALiBi are compiled into it only in its kScoreMods
+//    instances (caches of the query's dtype: Gemma 2's soft-cap, ALiBi models); the general loop
+//    (decode_kernel<..., false, true>) keeps every case. Everything else (windows, sinks, lse,
+//    split-KV) acts outside the loop and takes either kernel.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -152,25 +154,33 @@ __device__ __forceinline__ float query_multiplier(const AttentionParams& p) {
 }
 
 // The score modifications after q . k, per lane for its G heads: soft-cap, then ALiBi, leaving the
-// score in the log2 domain. The slopes are read per key (L1 hits) rather than held in G registers
-// beside the group-8 kernel's q and accumulators.
+// score in the log2 domain. The slopes are read per key rather than held in G registers beside the
+// group-8 kernel's q and accumulators: from global memory (L1 hits) in the general loop, from a copy
+// in shared memory in the fast one (block_alibi_slopes), whose loop then issues no global load but
+// its copies.
 template <int G>
 struct ScoreMod {
-  float cap, cap_log2;   // softcap, softcap * log2(e); cap = 0: none
-  const float* slopes;   // ALiBi slopes of heads head0 .. head0 + G - 1; nullptr: none
+  float cap, cap_log2, inv_cap;  // softcap, softcap * log2(e), 1 / softcap; cap = 0: none
+  const float* slopes;           // ALiBi slopes of heads head0 .. head0 + G - 1; nullptr: none
   int pos;
   __device__ __forceinline__ void init(const AttentionParams& p, int head0, int position) {
     cap = p.softcap;
     cap_log2 = p.softcap * kLog2e;
+    inv_cap = p.softcap > 0.f ? 1.f / p.softcap : 0.f;
     slopes = p.alibi_slopes ? p.alibi_slopes + head0 : nullptr;
     pos = position;
   }
-  // s: the G heads' scores of key t.
+  // s: the G heads' scores of key t. kFastTanh (the fast loop's 16-bit queries): common.cuh tanh_fast
+  // (ex2.approx and a division, a series near 0), as the pipelined prefill's score mods, rather than
+  // tanhf's polynomial and branches. (The exponential form alone is five instructions, but its
+  // absolute error of a few 1e-7 of the cap swamps every score at a cap of 2^126, which the contract
+  // allows: tests/test_cuda_contract_edges.py test_softcap_at_its_bounds.)
+  template <bool kFastTanh = false>
   __device__ __forceinline__ void apply(float (&s)[G], int t, int gcount) const {
     if (cap > 0.f) {
 #pragma unroll
       for (int g = 0; g < G; ++g)
-        if (g < gcount) s[g] = cap_log2 * tanhf(s[g] / cap);
+        if (g < gcount) s[g] = cap_log2 * (kFastTanh ? tanh_fast(s[g] * inv_cap) : tanhf(s[g] / cap));
     }
     if (slopes) {
       const float distance = float(t - pos) * kLog2e;  // (j - p) log2(e); j - p exact below 2^24
@@ -180,6 +190,13 @@ struct ScoreMod {
     }
   }
 };
+
+// The block's copy of its query heads' ALiBi slopes (at most kMaxHeadsPerBlock), for the fast loop
+// with score modifiers (decode_block): shared-memory reads in its KV loop rather than global loads.
+__device__ __forceinline__ float* block_alibi_slopes() {
+  __shared__ float slopes[kMaxHeadsPerBlock];
+  return slopes;
+}
 
 // Lane chunks: lane `sub` of a token group owns NC 8-element chunks of a row, chunk c at dims
 // d0 + c * 8 * TPT (d0 = sub * 8), so the group's lanes read 8 x TPT contiguous elements per chunk
@@ -495,11 +512,13 @@ PAGED_HOST_DEVICE constexpr int decode_wide_kernel_rows_per_step() {
 // One block of the decode kernels (decode_kernel, decode_wide_kernel below): TPT lanes per token,
 // G heads per token group, KC chunks of q / K and VC chunks of V per lane (chunk_dim), kRows token
 // rows per step. sh: the launch shape (plan_decode, kernels/plan.h). kFast: the plan's fast_path
-// (plan.h decode_fast_path: no soft-cap or ALiBi, 16-byte copies, power-of-two blocks), so the KV
-// loop is compiled without the code of the other cases.
-template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows, bool kFast>
+// (plan.h decode_fast_path: 16-byte copies, power-of-two blocks), so the KV loop is compiled without
+// the code of the other cases; kScoreMods: the soft-cap and ALiBi are compiled in (always in the
+// general loop; in the fast one where the plan's score_mods says so).
+template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows, bool kFast, bool kScoreMods>
 __device__ __forceinline__ void decode_block(const AttentionParams& p, const DecodeShape& sh, bool split,
                                              int partition_size, int num_partitions, float* tmp_out, float* tmp_ml) {
+  static_assert(kFast || kScoreMods, "the general loop keeps every case");
   // AttentionParams' sizes are int64 (the cpu backend's); the binding checks they fit int, and the
   // kernel narrows them once: 64-bit division and products cost registers and instructions.
   const int group = int(p.num_heads) / int(p.num_kv_heads);
@@ -544,7 +563,14 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   float q[G][KC * 8];
   load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f);
   ScoreMod<G> mod;
-  if constexpr (!kFast) mod.init(p, head0 + tile * G, rs.pos);
+  if constexpr (kScoreMods) mod.init(p, head0 + tile * G, rs.pos);
+  if constexpr (kFast && kScoreMods) {
+    if (p.alibi_slopes) {  // visible after the barrier before the KV loop
+      float* const slopes = block_alibi_slopes();
+      for (int h = threadIdx.x; h < nheads; h += blockDim.x) slopes[h] = p.alibi_slopes[head0 + h];
+      mod.slopes = slopes + tile * G;
+    }
+  }
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
 
   // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage (sh.stage_bytes) C K rows
@@ -637,7 +663,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
           compute_qk_chunks<KV, G, TPT, KC>(q, kt + size_t(r) * pitch, d0, D, valid, kscale, s[i]);
         }
         if (valid) {
-          if constexpr (!kFast) mod.apply(s[i], t0 + r, gcount);
+          if constexpr (kScoreMods) mod.template apply<kFast && sizeof(T) == 2>(s[i], t0 + r, gcount);
         } else {
 #pragma unroll
           for (int g = 0; g < G; ++g) s[i][g] = -INFINITY;
@@ -679,15 +705,16 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
 }
 
 // Head sizes up to 256 (Dk and Dv): one chunk per lane. G heads per token group (1, 2, 4), TPT
-// lanes per token; kFast: the plan's fast_path (decode_block). __launch_bounds__(256, 2): at most
-// 128 registers a thread, so four 128-thread blocks (16 warps, 25% occupancy) are resident per SM.
-template <typename T, typename KV, int TPT, int G, bool kFast>
+// lanes per token; kFast, kScoreMods: the plan's fast_path and score_mods (decode_block; the general
+// loop is <..., false, true>). __launch_bounds__(256, 2): at most 128 registers a thread, so four
+// 128-thread blocks (16 warps, 25% occupancy) are resident per SM.
+template <typename T, typename KV, int TPT, int G, bool kFast, bool kScoreMods>
 __global__ void __launch_bounds__(256, 2) decode_kernel(AttentionParams p, DecodeShape sh, bool split,
                                                          int partition_size, int num_partitions, float* tmp_out,
                                                          float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  decode_block<T, KV, TPT, G, 1, 1, decode_kernel_rows_per_step<G, KV>(), kFast>(p, sh, split, partition_size,
-                                                                                 num_partitions, tmp_out, tmp_ml);
+  decode_block<T, KV, TPT, G, 1, 1, decode_kernel_rows_per_step<G, KV>(), kFast, kScoreMods>(
+      p, sh, split, partition_size, num_partitions, tmp_out, tmp_ml);
 }
 
 // Key heads over 256 (MLA's 576-wide latent): 32 lanes a token, KC chunks of q / K and VC of V per
@@ -698,8 +725,8 @@ __global__ void __launch_bounds__(256, 2) decode_wide_kernel(AttentionParams p, 
                                                               int partition_size, int num_partitions, float* tmp_out,
                                                               float* tmp_ml) {
   PAGED_LAUNCH_BOUNDS_CHECK(256);
-  decode_block<T, KV, 32, G, KC, VC, decode_wide_kernel_rows_per_step<KV>(), false>(p, sh, split, partition_size,
-                                                                                    num_partitions, tmp_out, tmp_ml);
+  decode_block<T, KV, 32, G, KC, VC, decode_wide_kernel_rows_per_step<KV>(), false, true>(
+      p, sh, split, partition_size, num_partitions, tmp_out, tmp_ml);
 }
 
 // Log-sum-exp merge of the split-KV partials of one (row, query head), in one fixed order (partition
@@ -755,8 +782,16 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       };
       auto by_path = [&](auto tpt, auto g) {
         constexpr int TPT = decltype(tpt)::value, G = decltype(g)::value;
-        if (pl.fast_path) run(decode_kernel<T, KV, TPT, G, true>);
-        else run(decode_kernel<T, KV, TPT, G, false>);
+        // The fast loop with the soft-cap / ALiBi is built for caches of the query's dtype only (plan.h
+        // decode_fast_path): its fp8 instances would add 54 kernels per arch to the build.
+        if (pl.fast_path && !pl.score_mods) run(decode_kernel<T, KV, TPT, G, true, false>);
+        else if constexpr (std::is_same_v<T, KV>) {
+          if (pl.fast_path) run(decode_kernel<T, KV, TPT, G, true, true>);
+          else run(decode_kernel<T, KV, TPT, G, false, true>);
+        } else {
+          if (pl.fast_path) throw std::runtime_error("paged_cuda: no fast decode loop with score modifiers for fp8");
+          run(decode_kernel<T, KV, TPT, G, false, true>);
+        }
       };
       auto by_heads = [&](auto tpt) {
         switch (pl.heads_per_thread) {

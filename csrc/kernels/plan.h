@@ -103,7 +103,8 @@ struct DecodePlan {
   int threads, tpt, partition_size, num_partitions;
   int heads_per_thread;  // G, the kernel's template parameter
   int k_chunks, v_chunks;  // 1, 1: decode_kernel; else decode_wide_kernel<T, KV, G, k_chunks, v_chunks>
-  bool fast_path;          // decode_kernel<T, KV, TPT, G, true>: decode_fast_path(p, sh)
+  bool fast_path;          // decode_kernel<T, KV, TPT, G, true, *>: decode_fast_path(p, sh)
+  bool score_mods;         // ... with the soft-cap / ALiBi compiled in: decode_kernel<T, KV, TPT, G, true, true>
   DecodeShape sh;
   int64_t num_rows;  // query rows: num_seqs (decode), or num_tokens (prefill rows, batch-invariant mode)
   int64_t grid_x;
@@ -125,10 +126,11 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
   return (span + part - 1 + (windowed ? part - 1 : 0)) / part;
 }
 
-// decode_kernel's fast path (its template flag kFast): no score modifier in the KV loop (no
-// soft-cap, no ALiBi), every K / V row copied by 16-byte cp.async, and the block size a power of
-// two (a shift finds a token's page). Those are what the KV loop's instructions depend on; windows,
-// sinks, lse, split-KV and fp8 scales act outside it and take either path. Everything the choice
+// decode_kernel's fast path (its template flag kFast): every K / V row copied by 16-byte cp.async,
+// and the block size a power of two (a shift finds a token's page); a soft-cap or ALiBi only over a
+// cache of the query's dtype (their fast instances, kScoreMods, are built for those alone: the plan's
+// score_mods). Those are what the KV loop's instructions depend on; windows, sinks, lse, split-KV and
+// fp8 scales act outside it and take either path. Everything the choice
 // reads is known to the host, so it is made once per call, and the loop nvcc compiles for the common
 // case holds none of the other cases' code (bench/sass.py reads it on its own).
 // Its rows are exactly the lanes' 8 x TPT elements (head sizes 64, 128, 256, keys and values alike:
@@ -136,7 +138,8 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
 // (the default tiles: 4 at 128 threads), so the copies are unrolled.
 constexpr int kFastCopyPasses = 4;
 inline bool decode_fast_path(const AttentionParams& p, const DecodeShape& sh, int threads, int tpt) {
-  if (p.softcap != 0.f || p.alibi_slopes != nullptr || sh.copy_bytes != 16 || sh.block_shift < 0) return false;
+  const bool score_mods = p.softcap != 0.f || p.alibi_slopes != nullptr;
+  if ((score_mods && p.cache_dtype != p.dtype) || sh.copy_bytes != 16 || sh.block_shift < 0) return false;
   const int row_bytes = int(p.head_size) * dtype_bytes(p.cache_dtype);
   if (p.head_size != 8 * tpt || p.value_head_size != p.head_size || sh.pitch != row_bytes) return false;
   const int units = row_bytes / 16;  // >= 4: heads of 64+ elements
@@ -192,6 +195,7 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   const int by_regs = kRegistersPerSM / (kMaxRegistersPerThread * threads);
   pl.blocks_per_sm = std::max(1, std::min({by_smem, by_regs, 32}));
   pl.fast_path = !wide && decode_fast_path(p, sh, threads, pl.tpt);
+  pl.score_mods = pl.fast_path && (p.softcap != 0.f || p.alibi_slopes != nullptr);
 }
 
 // p.cu_seqlens_q != nullptr: the rows are prefill_attention's query rows (one per token, each with
