@@ -36,7 +36,11 @@
 //    ex2.approx (exp2_approx). The soft-cap and ALiBi are compiled into it only in its kScoreMods
 //    instances (caches of the query's dtype: Gemma 2's soft-cap, ALiBi models); the general loop
 //    (decode_kernel<..., false, true>) keeps every case. Everything else (windows, sinks, lse,
-//    split-KV) acts outside the loop and takes either kernel.
+//    split-KV) acts outside the loop and takes either kernel. The fast loop sums a step's dot
+//    products over the token group by recursive halving (reduce_scatter_scores: each lane ends with
+//    its share of the sums, the score modifiers applied there once per score) and hands every
+//    score back by indexed shuffles (but at G = 1 without modifiers); the general loop's compute_qk
+//    copies every sum to every lane.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -175,6 +179,13 @@ struct ScoreMod {
   // tanhf's polynomial and branches. (The exponential form alone is five instructions, but its
   // absolute error of a few 1e-7 of the cap swamps every score at a cap of 2^126, which the contract
   // allows: tests/test_cuda_contract_edges.py test_softcap_at_its_bounds.)
+  // One score, of head g (< gcount) and key t: apply's arithmetic for one head.
+  template <bool kFastTanh>
+  __device__ __forceinline__ float apply_one(float s, int g, int t) const {
+    if (cap > 0.f) s = cap_log2 * (kFastTanh ? tanh_fast(s * inv_cap) : tanhf(s / cap));
+    if (slopes) s += slopes[g] * (float(t - pos) * kLog2e);
+    return s;
+  }
   template <bool kFastTanh = false>
   __device__ __forceinline__ void apply(float (&s)[G], int t, int gcount) const {
     if (cap > 0.f) {
@@ -242,6 +253,46 @@ __device__ __forceinline__ void compute_qk(const float (&q)[G][8], const float (
     for (int o = TPT / 2; o > 0; o >>= 1) d += __shfl_xor_sync(kFullMask, d, o);
     s[g] = d;
   }
+}
+
+// The fast loop's scores of a step, N = rows x G of them (n = row x G + head): the lane's partial
+// dots v summed over the token group's TPT lanes by recursive halving, so that the sums arrive
+// spread over the lanes rather than copied to every lane (compute_qk's butterfly): each xor round
+// sends the half of v the partner keeps and adds the half it receives. N - 1 shuffles where the
+// butterfly takes N log2(TPT), and what follows a sum (the soft-cap's tanh, ALiBi) is computed once
+// per score, by its owner, rather than by all TPT lanes. After it, lane `sub` holds kOwn whole sums in
+// v[0, kOwn): scores [first_owned_score(sub), + kOwn); with N < TPT, TPT / N lanes hold each one.
+template <int TPT, int N>
+constexpr int kOwnedScores = N >= TPT ? N / TPT : 1;
+template <int TPT, int N>
+__device__ __forceinline__ int first_owned_score(int sub) {
+  return N >= TPT ? sub * (N / TPT) : sub / (TPT / N);
+}
+template <int TPT, int N, int kOffset = TPT / 2, int kLeft = N>
+__device__ __forceinline__ void reduce_scatter_scores(float (&v)[N], int sub) {
+  if constexpr (kOffset > 0) {
+    constexpr int h = kLeft > 1 ? kLeft / 2 : 1;
+    if constexpr (kLeft > 1) {
+      const bool upper = (sub & kOffset) != 0;
+#pragma unroll
+      for (int j = 0; j < h; ++j) {
+        const float send = upper ? v[j] : v[j + h];
+        const float keep = upper ? v[j + h] : v[j];
+        v[j] = keep + __shfl_xor_sync(kFullMask, send, kOffset);
+      }
+    } else {
+      v[0] += __shfl_xor_sync(kFullMask, v[0], kOffset);
+    }
+    reduce_scatter_scores<TPT, N, kOffset / 2, h>(v, sub);
+  }
+}
+// Every lane gets every score back from its owner: N indexed shuffles within the token group.
+template <int TPT, int N>
+__device__ __forceinline__ void gather_scores(const float (&v)[N], float (&s)[N]) {
+  constexpr int kOwn = kOwnedScores<TPT, N>;
+#pragma unroll
+  for (int n = 0; n < N; ++n)
+    s[n] = __shfl_sync(kFullMask, v[n % kOwn], N >= TPT ? n / kOwn : n * (TPT / N), TPT);
 }
 
 // The same over KC chunks (the wide kernels): the staged key row `krow`'s chunks one by one (only one
@@ -645,6 +696,51 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     const int t0 = start + c * C, n = tile_rows(c);
     for (int i0 = 0; i0 < rows_per_group; i0 += kRows) {  // block-uniform bound
       float s[kRows][G];
+      if constexpr (kFast && (G > 1 || kScoreMods)) {
+        // Partial dots of every row, their sums spread over the token group, the score modifiers on
+        // the lane's own sums, every score back to every lane (reduce_scatter_scores). Not at G = 1
+        // without modifiers: a handful of shuffles saved there, and every row's partial dots live at
+        // once cost 20-odd registers (an fp8 cache's occupancy 43.8% -> 31.2% on sm_90).
+        constexpr int N = kRows * G;
+        float v[N];
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          const int r = tg_in_tile + (i0 + i) * gpt;
+          const bool valid = gcount > 0 && i0 + i < rows_per_group && r < n;
+          float k[8];
+          if (valid) {
+            load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) k[e] = 0.f;
+          }
+#pragma unroll
+          for (int g = 0; g < G; ++g) {
+            float d = 0.f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d += q[g][e] * k[e];
+            v[i * G + g] = d;
+          }
+        }
+        reduce_scatter_scores<TPT, N>(v, sub);
+        if constexpr (kScoreMods) {
+          const int first = first_owned_score<TPT, N>(sub);
+#pragma unroll
+          for (int j = 0; j < kOwnedScores<TPT, N>; ++j) {
+            const int i = (first + j) / G, g = (first + j) % G;
+            if (g < gcount) v[j] = mod.template apply_one<sizeof(T) == 2>(v[j], g, t0 + tg_in_tile + (i0 + i) * gpt);
+          }
+        }
+        float all[N];
+        gather_scores<TPT, N>(v, all);
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          const int r = tg_in_tile + (i0 + i) * gpt;
+          const bool valid = gcount > 0 && i0 + i < rows_per_group && r < n;
+#pragma unroll
+          for (int g = 0; g < G; ++g) s[i][g] = valid ? all[i * G + g] : -INFINITY;
+        }
+      } else {
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
         const int r = tg_in_tile + (i0 + i) * gpt;
@@ -668,6 +764,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
 #pragma unroll
           for (int g = 0; g < G; ++g) s[i][g] = -INFINITY;
         }
+      }
       }
       st.template update_softmax<kFast>(s);
       if (i0 == 0) {
