@@ -14,7 +14,12 @@ breaking kernels, csrc/cuda_emu/selftest.cpp).
     missing __syncthreads changes results;
   * a launch over 48 KB of dynamic shared memory without cudaFuncSetAttribute on that kernel, or
     with more threads than its __launch_bounds__, is rejected;
-  * mma.m16n8k16: registers built from the PTX ISA's fragment formulas, not the kernels' loaders.
+  * mma.m16n8k16: registers built from the PTX ISA's fragment formulas, not the kernels' loaders;
+  * thread-block clusters (sm_90): a launch is a whole number of clusters of at most 8 blocks (16
+    with the kernel's non-portable attribute); a cluster's blocks run at once, one turn each between
+    cluster barriers in the schedule's order; map_shared_rank only after the first barrier.cluster,
+    only into a block that has not exited (whose shared memory turns to NaN when it does), and
+    every thread of every block reaches every cluster barrier.
 """
 from __future__ import annotations
 
@@ -286,3 +291,97 @@ def test_mma_ptx_check_catches_a_wrong_layout(mutation):
     assert (d.double() - ref).norm() > 0.1 * ref.norm()
     assert not torch.equal(regs[:, 1], regs[:, 0])
     assert math.isfinite(float(d.sum()))
+
+
+# ---- thread-block clusters -----------------------------------------------------------------------
+CLUSTER_THREADS = 64  # selftest.cluster's block
+
+
+def ring_expected(grid, cluster):
+    """cluster_ring_kernel's output: each block reads its right neighbour's (rank + 1 mod the
+    cluster's size, ranks x-fastest within the cluster, PTX %cluster_ctarank) values, flat x 1000 + t."""
+    gx, gy, gz = grid
+    cx, cy, cz = cluster if any(cluster) else (1, 1, 1)
+    n = cx * cy * cz
+    out = torch.empty(gx * gy * gz, CLUSTER_THREADS)
+    for bz in range(gz):
+        for by in range(gy):
+            for bx in range(gx):
+                rank = bx % cx + cx * (by % cy + cy * (bz % cz))
+                r = (rank + 1) % n
+                nx, ny, nz = bx - bx % cx + r % cx, by - by % cy + (r // cx) % cy, bz - bz % cz + r // (cx * cy)
+                out[bx + gx * (by + gy * bz)] = (nx + gx * (ny + gy * nz)) * 1000 + torch.arange(CLUSTER_THREADS)
+    return out.flatten()
+
+
+CLUSTER_SHAPES = [([4, 1, 1], [2, 1, 1]), ([4, 2, 2], [2, 2, 1]), ([8, 2, 1], [8, 1, 1]), ([2, 3, 4], [1, 1, 2])]
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse", "random", "random:7"])
+@pytest.mark.parametrize("grid,cluster", CLUSTER_SHAPES)
+def test_cluster_blocks_read_each_other_shared_memory(schedule, mode, grid, cluster):
+    schedule(mode)
+    out = selftest.cluster("ok", grid, cluster, False)
+    assert torch.equal(out, ring_expected(grid, cluster))
+
+
+def test_launch_without_clusters_is_a_cluster_of_one():
+    out = selftest.cluster("ok", [3, 2, 1], [0, 0, 0], False)
+    assert torch.equal(out, ring_expected([3, 2, 1], [0, 0, 0]))
+
+
+def test_sixteen_block_clusters_need_the_non_portable_attribute():
+    with pytest.raises(RuntimeError, match="over the portable 8"):
+        selftest.cluster("ok", [16, 1, 1], [16, 1, 1], False)
+    assert torch.equal(selftest.cluster("ok", [16, 1, 1], [16, 1, 1], True), ring_expected([16, 1, 1], [16, 1, 1]))
+    with pytest.raises(RuntimeError, match="over 16"):
+        selftest.cluster("ok", [32, 1, 1], [32, 1, 1], True)
+
+
+@pytest.mark.parametrize("grid,cluster", [([3, 1, 1], [2, 1, 1]), ([4, 3, 1], [1, 2, 1]), ([4, 1, 1], [0, 1, 1])])
+def test_cluster_launch_shape_rules(grid, cluster):
+    with pytest.raises(RuntimeError, match="invalid cluster launch"):
+        selftest.cluster("ok", grid, cluster, False)
+
+
+CLUSTER_MISUSE = [
+    ("no_first_sync", "before the cluster's first barrier.cluster"),
+    ("no_last_sync", "has exited: its shared memory is gone"),
+    ("rank_exits", "exited while the others wait at barrier.cluster"),
+    ("thread_exits", r"barrier.cluster reached after 1 thread|thread exited while \d+ thread\(s\) of its block wait"),
+    ("map_global", "outside this block's dynamic shared memory"),
+    ("map_rank_over", "map_shared_rank to rank 4 of a cluster of 4"),
+]
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse", "random"])
+@pytest.mark.parametrize("case,message", CLUSTER_MISUSE)
+def test_cluster_rules_broken_raise(schedule, mode, case, message):
+    schedule(mode)
+    with pytest.raises(RuntimeError, match=message if "|" in message else re.escape(message)):
+        selftest.cluster(case, [8, 1, 1], [4, 1, 1], False)
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse", "random", "random:3"])
+def test_cluster_read_after_the_last_barrier_sees_nan(schedule, mode):
+    # A block reading its neighbour's shared memory after the last cluster barrier may find it gone
+    # (the guide: a block must not exit while others access its shared memory). The block whose turn
+    # comes last in that round always does: every other block has exited before it reads.
+    schedule(mode)
+    out = selftest.cluster("read_after_last_sync", [8, 1, 1], [4, 1, 1], False).view(8, CLUSTER_THREADS)
+    stale = out.isnan().all(dim=1)
+    assert int(stale.sum()) >= 2, "one block a cluster reads a neighbour that has exited"
+    good = ~out.isnan().any(dim=1)
+    assert torch.equal(out[good], ring_expected([8, 1, 1], [4, 1, 1]).view(8, CLUSTER_THREADS)[good])
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse", "random", "random:5"])
+def test_missing_cluster_barrier_between_write_and_remote_read(schedule, mode):
+    # Values written after one barrier.cluster and read by the neighbour before the next: in every
+    # turn order some block runs before its right neighbour has written, and reads the NaN its
+    # shared memory starts with. With the barrier between, every block reads them.
+    schedule(mode)
+    racy = selftest.cluster("write_after_sync", [8, 1, 1], [4, 1, 1], False).view(8, CLUSTER_THREADS)
+    assert bool(racy.isnan().all(dim=1).any()), f"{mode}: a missing barrier.cluster went unnoticed"
+    synced = selftest.cluster("write_sync_read", [8, 1, 1], [4, 1, 1], False)
+    assert torch.equal(synced, ring_expected([8, 1, 1], [4, 1, 1]))

@@ -307,6 +307,46 @@ __global__ void __launch_bounds__(64) bounded_kernel(float* out) {
   out[threadIdx.x] = 1.f;
 }
 
+
+// Thread-block clusters (cuda_emu.h launch_cluster): every block writes values tagged with its flat
+// block index to its dynamic shared memory and reads its right neighbour's (rank + 1 mod the
+// cluster's size) through map_shared_rank, between two cluster barriers; the modes break one rule
+// each (the emulator must raise, or, for a read after the last barrier, see NaN).
+enum ClusterMode {
+  kClusterOk, kClusterNoFirstSync, kClusterNoLastSync, kClusterReadAfterLastSync, kClusterRankExits,
+  kClusterThreadExits, kClusterMapGlobal, kClusterMapRankOver, kClusterWriteAfterSync, kClusterWriteSyncRead
+};
+__global__ void cluster_ring_kernel(float* out, float* global_scratch, int mode) {
+  float* s = ::cuda_emu::dynamic_smem<float>(blockDim.x);
+  const unsigned t = threadIdx.x, rank = ::cuda_emu::cluster_ctarank(), n = ::cuda_emu::cluster_nctarank();
+  const unsigned flat = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  if (mode == kClusterWriteAfterSync || mode == kClusterWriteSyncRead) {
+    // The values written after a first barrier, read by the neighbour with (WriteSyncRead) or
+    // without (WriteAfterSync: a missing barrier.cluster) a barrier between.
+    ::cuda_emu::cluster_sync();
+    s[t] = float(flat * 1000 + t);
+    if (mode == kClusterWriteSyncRead) ::cuda_emu::cluster_sync();
+    const float v = ::cuda_emu::cluster_map_shared_rank(s, (rank + 1) % n)[t];
+    ::cuda_emu::cluster_sync();
+    out[flat * blockDim.x + t] = v;
+    return;
+  }
+  s[t] = float(flat * 1000 + t);
+  if (mode == kClusterRankExits && rank == 1) return;
+  if (mode == kClusterThreadExits && t == 0) return;
+  if (mode != kClusterNoFirstSync) ::cuda_emu::cluster_sync();
+  const float* mine = mode == kClusterMapGlobal ? global_scratch : s;
+  const float* right = ::cuda_emu::cluster_map_shared_rank(mine, mode == kClusterMapRankOver ? n : (rank + 1) % n);
+  float v = right[t];
+  if (mode == kClusterReadAfterLastSync) {
+    ::cuda_emu::cluster_sync();
+    v = right[t];  // no barrier after this one: the neighbour may be gone
+  } else if (mode != kClusterNoLastSync) {
+    ::cuda_emu::cluster_sync();
+  }
+  out[flat * blockDim.x + t] = v;
+}
+
 template <typename T>
 struct TypeTag {
   using type = T;
@@ -392,6 +432,34 @@ at::Tensor strict(const std::string& what) {
   else if (what == "bounds_ok") cuda_emu::launch(bounded_kernel, dim3(2), dim3(64), 0, o);
   else if (what == "bounds_over") cuda_emu::launch(bounded_kernel, dim3(2), dim3(128), 0, o);
   else TORCH_CHECK(false, "unknown strict case ", what);
+  return out;
+}
+
+
+// One cluster case: `what` names the mode; grid and cluster dims (3 each), 64 threads a block.
+// cluster [0, 0, 0]: an ordinary launch (every block a cluster of one). Returns out, [blocks x 64].
+at::Tensor cluster(const std::string& what, std::vector<int64_t> grid, std::vector<int64_t> cluster,
+                   bool non_portable) {
+  TORCH_CHECK(grid.size() == 3 && cluster.size() == 3, "grid and cluster: 3 dimensions each");
+  const int mode = what == "ok" ? kClusterOk : what == "no_first_sync" ? kClusterNoFirstSync
+                   : what == "no_last_sync" ? kClusterNoLastSync : what == "read_after_last_sync" ? kClusterReadAfterLastSync
+                   : what == "rank_exits" ? kClusterRankExits : what == "thread_exits" ? kClusterThreadExits
+                   : what == "map_global" ? kClusterMapGlobal : what == "map_rank_over" ? kClusterMapRankOver
+                   : what == "write_after_sync" ? kClusterWriteAfterSync
+                   : what == "write_sync_read" ? kClusterWriteSyncRead : -1;
+  TORCH_CHECK(mode >= 0, "unknown cluster case ", what);
+  constexpr unsigned kThreads = 64;
+  const dim3 g{unsigned(grid[0]), unsigned(grid[1]), unsigned(grid[2])};
+  at::Tensor out = at::full({int64_t(g.x) * g.y * g.z * kThreads}, std::nanf(""), at::kFloat);
+  std::vector<float> scratch(kThreads, 1.f);
+  cuda_emu::reset_func_attributes();
+  if (non_portable) TORCH_CHECK(cuda_emu::func_set_non_portable_cluster_size_allowed(cluster_ring_kernel, true) == cudaSuccess);
+  if (cluster[0] == 0 && cluster[1] == 0 && cluster[2] == 0)
+    cuda_emu::launch(cluster_ring_kernel, g, dim3(kThreads), kThreads * 4, out.data_ptr<float>(), scratch.data(), mode);
+  else
+    cuda_emu::launch_cluster(cluster_ring_kernel, g, dim3(kThreads), kThreads * 4,
+                             dim3(unsigned(cluster[0]), unsigned(cluster[1]), unsigned(cluster[2])),
+                             out.data_ptr<float>(), scratch.data(), mode);
   return out;
 }
 
@@ -636,6 +704,7 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
   m.def("mma(Tensor A, Tensor B) -> Tensor", &mma);
   m.def("mma_ptx(Tensor A, Tensor B, int mutation) -> Tensor[]", &mma_ptx);
   m.def("strict(str what) -> Tensor", &strict);
+  m.def("cluster(str what, int[] grid, int[] cluster, bool non_portable) -> Tensor", &cluster);
   m.def("set_schedule(str mode) -> ()", &set_schedule);
   m.def("attention_rules() -> ()", &attention_rules);
   m.def("approx_math(Tensor x, Tensor y) -> Tensor[]", &approx_math);

@@ -35,7 +35,14 @@
 //    threads than the kernel's __launch_bounds__ (PAGED_LAUNCH_BOUNDS_CHECK), fail at launch;
 //  * fiber order: between synchronisation points the fibers of a block run in a seeded random
 //    order by default (CUDA_EMU_SCHEDULE=forward|reverse|random[:seed], or set_schedule()), so a
-//    missing __syncthreads changes results instead of being hidden by program order.
+//    missing __syncthreads changes results instead of being hidden by program order;
+//  * thread-block clusters (launch_cluster, sm_90): a grid of whole clusters of at most 8 blocks (16
+//    with the kernel's non-portable attribute); a cluster's blocks run at once on their own OS
+//    threads, one turn each between cluster barriers in the schedule's order (ClusterRun);
+//    map_shared_rank only into dynamic shared memory, only after the first barrier.cluster and
+//    only into a block that has not exited (whose shared memory turns to NaN when it exits); every
+//    thread of every block reaches every cluster barrier (the hardware releases it for exited
+//    threads: stricter).
 //
 // Not modelled: static __shared__ usage against the shared-memory limit, static __shared__ is
 // not poisoned between blocks (dynamic shared memory is), races between two accesses of the same
@@ -59,6 +66,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -73,6 +81,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <typeinfo>
@@ -155,6 +164,7 @@ extern "C" inline __attribute__((naked, noinline, used)) void cuda_emu_switch_st
 #endif
 
 struct BlockRun;
+struct ClusterRun;
 
 inline uint64_t splitmix64(uint64_t x) {
   x += 0x9e3779b97f4a7c15ull;
@@ -163,7 +173,7 @@ inline uint64_t splitmix64(uint64_t x) {
   return x ^ (x >> 31);
 }
 
-enum class FiberState : uint8_t { Runnable, WaitBlock, WaitWarp, Done };
+enum class FiberState : uint8_t { Runnable, WaitBlock, WaitWarp, WaitCluster, Done };
 
 // One cp.async in flight: the source bytes read at issue, written to `dst` when a
 // cp.async.wait_group / wait_all of this thread covers its commit group.
@@ -254,6 +264,72 @@ struct BlockRun {
   uint64_t seed = 0;
   std::vector<unsigned> order;       // forward / reverse: fiber indices in the order they run
   std::vector<unsigned> warp_order;  // random: warp indices, reshuffled every scheduling pass
+  // Thread-block cluster (launch_cluster): the cluster, this block's rank in it (%cluster_ctarank),
+  // and the threads of this block at the current barrier.cluster. nullptr: a launch without
+  // clusters, where every block is a cluster of one (as on sm_90).
+  ClusterRun* cluster = nullptr;
+  unsigned cluster_rank = 0;
+  unsigned cluster_arrived = 0;
+};
+
+// The blocks of one cluster run at the same time, each on its own OS thread (a block's static
+// __shared__ is thread_local, so two blocks can never share one), but one at a time: a block runs
+// its turn until every one of its threads waits at barrier.cluster, or it exits, then hands the
+// turn on. Turns go round in the launch's schedule order (random: a fresh seeded permutation per
+// round), so whether a block runs before or after another between two cluster barriers changes
+// from seed to seed, and a missing barrier.cluster changes results instead of hiding.
+struct ClusterRun {
+  unsigned size = 1;
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<char*> smem;            // each block's dynamic shared memory (map_shared_rank's targets)
+  size_t smem_bytes = 0;
+  std::vector<std::vector<char>> smem_store;
+  std::vector<uint8_t> exited;        // a block's threads have all exited: its shared memory is gone
+  unsigned waiting = 0;               // blocks whose every thread waits at the current barrier.cluster
+  unsigned exited_this_round = 0;
+  uint64_t barriers = 0;              // barrier.cluster completions so far
+  std::vector<unsigned> order;        // the ranks taking a turn this round, in turn order
+  size_t pos = 0;                     // order[pos] runs now
+  Schedule schedule = Schedule::Random;
+  uint64_t rng = 0;
+  bool failed = false;
+  std::exception_ptr first_error;
+
+  bool my_turn(unsigned rank) const { return pos < order.size() && order[pos] == rank; }
+  void new_round(const std::vector<unsigned>& live) {
+    order = live;
+    if (schedule == Schedule::Reverse) std::reverse(order.begin(), order.end());
+    if (schedule == Schedule::Random)
+      for (size_t i = order.size(); i > 1; --i) {
+        rng = splitmix64(rng);
+        std::swap(order[i - 1], order[size_t(rng % i)]);
+      }
+    pos = 0;
+  }
+  // The running block's turn is over (mu held): the next block's, or the round is complete. Every
+  // block still running has then arrived at barrier.cluster: it completes, unless a block exited
+  // in this round while the others wait for it (the hardware releases the barrier for exited
+  // threads, PTX ISA `exit`; here, as for __syncthreads, it is an error: the kernels' cluster code
+  // has every block reach every barrier).
+  void end_turn() {
+    if (++pos < order.size() || failed) return;
+    if (waiting == 0) return;  // every block has exited
+    if (exited_this_round > 0) {
+      failed = true;
+      first_error = std::make_exception_ptr(Error(
+          "cuda_emu: a block of a cluster exited while the others wait at barrier.cluster (every block of a "
+          "cluster must reach every cluster barrier)"));
+      return;
+    }
+    std::vector<unsigned> live;
+    for (unsigned r = 0; r < size; ++r)
+      if (!exited[r]) live.push_back(r);
+    ++barriers;
+    waiting = 0;
+    exited_this_round = 0;
+    new_round(live);
+  }
 };
 
 inline Fiber& cur() { return *worker().cur; }
@@ -292,6 +368,9 @@ inline void fiber_main() {
     if (b.bar_arrived > 0)
       fail("thread exited while " + std::to_string(b.bar_arrived) +
            " thread(s) wait at __syncthreads (barrier not reached by every thread of the block)");
+    if (b.cluster_arrived > 0)
+      fail("thread exited while " + std::to_string(b.cluster_arrived) +
+           " thread(s) of its block wait at barrier.cluster (barrier not reached by every thread)");
     Warp& wp = b.warps[f.linear / 32];
     const unsigned bit = 1u << (f.linear % 32);
     if (wp.arrived && (wp.expected & bit))
@@ -358,8 +437,15 @@ inline void run_block(BlockRun& b) {
     wp.phase = 0;
   }
   if (b.dyn_smem_bytes) std::memset(b.dyn_smem, 0xff, b.dyn_smem_bytes);
+  b.cluster_arrived = 0;
+  if (b.cluster) {  // wait for this block's first turn
+    ClusterRun& cl = *b.cluster;
+    std::unique_lock<std::mutex> lock(cl.mu);
+    cl.cv.wait(lock, [&] { return cl.failed || cl.my_turn(b.cluster_rank); });
+    if (cl.failed) b.error = std::make_exception_ptr(Error("cuda_emu: cluster aborted (another block of it failed)"));
+  }
 
-  bool aborting = false;
+  bool aborting = b.error != nullptr;
   auto resume = [&](unsigned i) {  // runs fiber i until it blocks or exits; false if it cannot run
     Fiber& f = b.fibers[i];
     if (f.state == FiberState::Done) return false;
@@ -403,20 +489,35 @@ inline void run_block(BlockRun& b) {
     }
     if (!progress && !aborting) {
       // Everybody left is waiting for somebody who will never come.
-      unsigned at_bar = 0, at_warp = 0;
+      unsigned at_bar = 0, at_warp = 0, at_cluster = 0;
       for (unsigned i = 0; i < b.nthreads; ++i) {
         at_bar += b.fibers[i].state == FiberState::WaitBlock;
         at_warp += b.fibers[i].state == FiberState::WaitWarp;
+        at_cluster += b.fibers[i].state == FiberState::WaitCluster;
       }
       b.error = std::make_exception_ptr(
           Error("cuda_emu: deadlock in block " + dim_str(dim3(b.bidx.x, b.bidx.y, b.bidx.z)) + ": " +
                 std::to_string(at_bar) + " thread(s) wait at __syncthreads, " + std::to_string(at_warp) +
-                " at a warp shuffle/vote/__syncwarp, " + std::to_string(b.done) +
+                " at a warp shuffle/vote/__syncwarp, " + std::to_string(at_cluster) + " at barrier.cluster, " +
+                std::to_string(b.done) +
                 " exited (a barrier is not reached by every thread it waits for)"));
       aborting = true;
     }
   }
   w.block = nullptr;
+  if (b.cluster) {  // the block is gone: its shared memory too (NaN to a stale remote reader)
+    ClusterRun& cl = *b.cluster;
+    std::lock_guard<std::mutex> lock(cl.mu);
+    cl.exited[b.cluster_rank] = 1;
+    ++cl.exited_this_round;
+    if (b.dyn_smem_bytes) std::memset(b.dyn_smem, 0xff, b.dyn_smem_bytes);
+    if (b.error && !cl.failed) {
+      cl.failed = true;
+      cl.first_error = b.error;
+    }
+    cl.end_turn();
+    cl.cv.notify_all();
+  }
 }
 
 // A warp-wide barrier over the lanes of `mask` (those that exist). Before arriving, each lane
@@ -571,6 +672,7 @@ namespace detail {
 struct FuncAttributes {
   std::mutex mu;
   std::unordered_map<const void*, size_t> max_dynamic_smem;
+  std::unordered_map<const void*, bool> non_portable_cluster;
 };
 inline FuncAttributes& func_attributes() {
   static FuncAttributes a;
@@ -592,11 +694,31 @@ inline cudaError_t func_set_max_dynamic_smem(void (*kernel)(KArgs...), int bytes
   a.max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = size_t(bytes);
   return cudaSuccess;
 }
+// cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1): clusters of
+// more than 8 blocks (the portable size), up to 16 on sm_90, only for a kernel that allows them
+// (CUDA C++ Programming Guide, thread block clusters).
+template <typename... KArgs>
+inline cudaError_t func_set_non_portable_cluster_size_allowed(void (*kernel)(KArgs...), bool allowed) {
+  detail::FuncAttributes& a = detail::func_attributes();
+  std::lock_guard<std::mutex> lock(a.mu);
+  a.non_portable_cluster[reinterpret_cast<const void*>(kernel)] = allowed;
+  return cudaSuccess;
+}
+constexpr unsigned kMaxPortableClusterSize = 8, kMaxClusterSize = 16;
+namespace detail {
+inline bool non_portable_cluster_of(const void* kernel) {
+  FuncAttributes& a = func_attributes();
+  std::lock_guard<std::mutex> lock(a.mu);
+  auto it = a.non_portable_cluster.find(kernel);
+  return it != a.non_portable_cluster.end() && it->second;
+}
+}  // namespace detail
 // Forget every recorded attribute (tests).
 inline void reset_func_attributes() {
   detail::FuncAttributes& a = detail::func_attributes();
   std::lock_guard<std::mutex> lock(a.mu);
   a.max_dynamic_smem.clear();
+  a.non_portable_cluster.clear();
 }
 
 // ---- Device memory the host cannot read ----------------------------------------------------------
@@ -689,10 +811,24 @@ inline void device_copy(void* dst, const void* src, size_t bytes) {
   std::memcpy(dst, src, bytes);
 }
 
-// kernel<<<grid, block, smem>>>(args...) on the CPU. Synchronous; throws cuda_emu::Error.
+namespace detail {
 template <typename... KArgs, typename... Args>
-void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+void launch_impl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, const dim3* cluster, Args&&... args) {
   detail::check_launch(grid, block, smem);
+  if (cluster) {
+    auto bad = [&](const std::string& why) {
+      throw Error("cuda_emu: invalid cluster launch (grid " + detail::dim_str(grid) + ", cluster " +
+                  detail::dim_str(*cluster) + "): " + why);
+    };
+    const uint64_t size = uint64_t(cluster->x) * cluster->y * cluster->z;
+    if (size == 0) bad("a cluster dimension is 0");
+    if (grid.x % cluster->x || grid.y % cluster->y || grid.z % cluster->z)
+      bad("the grid is not a whole number of clusters in every dimension");
+    const bool wide = detail::non_portable_cluster_of(reinterpret_cast<const void*>(kernel));
+    if (size > (wide ? kMaxClusterSize : kMaxPortableClusterSize))
+      bad(std::to_string(size) + " blocks a cluster, over " +
+          (wide ? "16 (sm_90's limit)" : "the portable 8 (more needs cudaFuncAttributeNonPortableClusterSizeAllowed)"));
+  }
   const detail::DeviceMemoryOpen device_memory_open;  // the blocks may read device memory, the host not
   const size_t smem_cap = detail::max_dynamic_smem_of(reinterpret_cast<const void*>(kernel));
   if (smem > smem_cap)
@@ -743,26 +879,106 @@ void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&
     return b.error;
   };
 
-  const int workers = nblocks > 1 ? max_workers() : 1;
+  // One cluster (cluster launches): its blocks on one OS thread each, taking turns (ClusterRun).
+  auto run_cluster = [&](int64_t c) -> std::exception_ptr {
+    const dim3 cd = *cluster;
+    const unsigned size = cd.x * cd.y * cd.z;
+    const dim3 per(grid.x / cd.x, grid.y / cd.y, grid.z / cd.z);  // clusters along each dimension
+    const uint3 ci = make_uint3(unsigned(c % per.x), unsigned((c / per.x) % per.y),
+                                unsigned(c / (uint64_t(per.x) * per.y)));
+    detail::ClusterRun cl;
+    cl.size = size;
+    cl.smem_bytes = smem;
+    cl.smem_store.resize(size);
+    cl.smem.resize(size);
+    for (unsigned r = 0; r < size; ++r) {
+      cl.smem_store[r].resize(smem + 16);
+      cl.smem[r] = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(cl.smem_store[r].data()) + 15) & ~uintptr_t(15));
+    }
+    cl.exited.assign(size, 0);
+    cl.schedule = sched.first;
+    cl.rng = detail::splitmix64(sched.second ^ detail::splitmix64(uint64_t(c) + 0x5eed));
+    std::vector<unsigned> ranks(size);
+    for (unsigned r = 0; r < size; ++r) ranks[r] = r;
+    cl.new_round(ranks);
+    std::vector<std::exception_ptr> errors(size);
+    auto run_rank = [&](unsigned r) {
+      try {
+        detail::BlockRun b;
+        b.grid = grid;
+        b.block = block;
+        b.nthreads = nthreads;
+        b.fibers.resize(nthreads);
+        b.warps.resize((nthreads + 31) / 32);
+        for (unsigned t = 0; t < nthreads; ++t) {
+          detail::Fiber& f = b.fibers[t];
+          f.linear = t;
+          f.tid = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+        }
+        b.dyn_smem = cl.smem[r];
+        b.dyn_smem_bytes = smem;
+        b.body = body;
+        b.body_ctx = &ctx;
+        b.schedule = sched.first;
+        b.seed = sched.second;
+        b.bidx = make_uint3(ci.x * cd.x + r % cd.x, ci.y * cd.y + (r / cd.x) % cd.y, ci.z * cd.z + r / (cd.x * cd.y));
+        b.cluster = &cl;
+        b.cluster_rank = r;
+        detail::run_block(b);
+        errors[r] = b.error;
+      } catch (...) {
+        errors[r] = std::current_exception();
+        std::lock_guard<std::mutex> lock(cl.mu);
+        cl.failed = true;
+        cl.cv.notify_all();
+      }
+    };
+    std::vector<std::thread> threads;
+    for (unsigned r = 1; r < size; ++r) threads.emplace_back(run_rank, r);
+    run_rank(0);
+    for (std::thread& t : threads) t.join();
+    if (cl.first_error) return cl.first_error;
+    for (const std::exception_ptr& e : errors)
+      if (e) return e;
+    return nullptr;
+  };
+  const uint64_t nunits = cluster ? nblocks / (uint64_t(cluster->x) * cluster->y * cluster->z) : nblocks;
+  auto run_unit = [&](int64_t i) { return cluster ? run_cluster(i) : run_range(i); };
+
+  const int workers = nunits > 1 ? max_workers() : 1;
   if (workers <= 1) {
-    for (uint64_t i = 0; i < nblocks; ++i) {
-      std::exception_ptr e = run_range(int64_t(i));
+    for (uint64_t i = 0; i < nunits; ++i) {
+      std::exception_ptr e = run_unit(int64_t(i));
       if (e) std::rethrow_exception(e);
     }
     return;
   }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(workers)
-  for (int64_t i = 0; i < int64_t(nblocks); ++i) {
+  for (int64_t i = 0; i < int64_t(nunits); ++i) {
     if (failed.load(std::memory_order_relaxed)) continue;
     std::exception_ptr e;
     try {
-      e = run_range(i);
+      e = run_unit(i);
     } catch (...) {
       e = std::current_exception();
     }
     if (e && !failed.exchange(true)) first_error = e;
   }
   if (first_error) std::rethrow_exception(first_error);
+}
+}  // namespace detail
+
+// kernel<<<grid, block, smem>>>(args...) on the CPU. Synchronous; throws cuda_emu::Error.
+template <typename... KArgs, typename... Args>
+void launch(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Args&&... args) {
+  detail::launch_impl(kernel, grid, block, smem, nullptr, std::forward<Args>(args)...);
+}
+// The same in clusters of `cluster` blocks (cudaLaunchKernelEx with cudaLaunchAttributeClusterDimension):
+// the grid a whole number of clusters, at most 8 blocks a cluster (16 with the kernel's
+// non-portable attribute). Blocks of a cluster are cluster_ctarank x-fastest within it.
+template <typename... KArgs, typename... Args>
+void launch_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, dim3 cluster, Args&&... args) {
+  detail::launch_impl(kernel, grid, block, smem, &cluster, std::forward<Args>(args)...);
 }
 
 // Warp-collective helper for emulating warp-wide instructions (mma.sync): every lane of `mask`
@@ -1052,6 +1268,76 @@ inline void ldmatrix(uint32_t* r, int num, bool trans, const void* row) {
     }
     r[m] = uint32_t(e[0]) | (uint32_t(e[1]) << 16);
   }
+}
+
+// ---- Thread-block clusters (sm_90) ---------------------------------------------------------------
+// What the kernels see of a cluster (CUDA C++ Programming Guide, thread block clusters and
+// distributed shared memory; PTX ISA: %cluster_ctarank, %cluster_nctarank, barrier.cluster,
+// mapa): the block's rank, the cluster's size, the cluster barrier (arrive.release + wait.acquire:
+// cooperative_groups' cluster.sync()) and the mapping of a shared-memory address to the same
+// address in another block of the cluster. Stricter than a GPU: only dynamic shared memory maps
+// (a kernel's static __shared__ arrays are thread_local here); mapping before the cluster's first
+// barrier fails (the guide: the other blocks may not have started, a cluster.sync() first); mapping
+// a block that has exited fails, and its shared memory turns to NaN for pointers mapped before
+// (the guide: a block must not exit while others still access its shared memory); a thread that
+// exits while its block waits at the barrier, or a block that exits while the others wait, fails.
+inline unsigned cluster_ctarank() { return detail::blk().cluster_rank; }
+inline unsigned cluster_nctarank() {
+  const detail::BlockRun& b = detail::blk();
+  return b.cluster ? b.cluster->size : 1;
+}
+inline void cluster_sync() {
+  using namespace detail;
+  BlockRun& b = blk();
+  Fiber& f = cur();
+  if (!f.copies.empty() && f.copies.back().group == f.committed)
+    fail("barrier.cluster reached with cp.async copies not committed (cp.async.commit_group missing)");
+  if (b.done > 0)
+    fail("barrier.cluster reached after " + std::to_string(b.done) +
+         " thread(s) of the block exited (barrier not reached by every thread)");
+  if (++b.cluster_arrived < b.nthreads) {
+    f.state = FiberState::WaitCluster;
+    yield();
+    return;
+  }
+  // The block's last thread: the block has arrived. Hand the turn on and wait, on this OS thread
+  // (every other thread of the block waits at the barrier), until the barrier completes and the
+  // block's turn comes round again.
+  b.cluster_arrived = 0;
+  if (b.cluster) {
+    ClusterRun& cl = *b.cluster;
+    std::unique_lock<std::mutex> lock(cl.mu);
+    const uint64_t before = cl.barriers;
+    ++cl.waiting;
+    cl.end_turn();
+    cl.cv.notify_all();
+    cl.cv.wait(lock, [&] { return cl.failed || (cl.barriers > before && cl.my_turn(b.cluster_rank)); });
+    if (cl.failed) throw Error("cuda_emu: cluster aborted (another block of it failed)");
+  }
+  for (Fiber& o : b.fibers)
+    if (o.state == FiberState::WaitCluster) o.state = FiberState::Runnable;
+}
+template <typename T>
+inline T* cluster_map_shared_rank(T* p, unsigned rank) {
+  using namespace detail;
+  BlockRun& b = blk();
+  char* const c = reinterpret_cast<char*>(const_cast<std::remove_cv_t<T>*>(p));
+  if (!(c >= b.dyn_smem && c < b.dyn_smem + b.dyn_smem_bytes))
+    fail("map_shared_rank of an address outside this block's dynamic shared memory (the emulator maps only "
+         "dynamic shared memory)");
+  if (rank >= cluster_nctarank())
+    fail("map_shared_rank to rank " + std::to_string(rank) + " of a cluster of " +
+         std::to_string(cluster_nctarank()) + " blocks");
+  if (!b.cluster) return p;
+  ClusterRun& cl = *b.cluster;
+  std::lock_guard<std::mutex> lock(cl.mu);
+  if (cl.barriers == 0)
+    fail("map_shared_rank before the cluster's first barrier.cluster: block rank " + std::to_string(rank) +
+         " may not have started (cluster.sync() before distributed shared memory)");
+  if (cl.exited[rank])
+    fail("map_shared_rank to block rank " + std::to_string(rank) +
+         ", which has exited: its shared memory is gone (a cluster.sync() before exit keeps it)");
+  return reinterpret_cast<T*>(cl.smem[rank] + (c - b.dyn_smem));
 }
 
 // ---- __launch_bounds__ ---------------------------------------------------------------------------
