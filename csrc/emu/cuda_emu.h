@@ -853,10 +853,8 @@ void launch_impl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, c
   std::exception_ptr first_error;
   std::atomic<bool> failed{false};
 
-  auto run_range = [&](int64_t i) {
-    detail::Worker& w = detail::worker();
-    (void)w;
-    static thread_local detail::BlockRun b;
+  // A block of this launch, its threads and warps laid out, its dynamic shared memory at `dyn`.
+  auto prepare = [&](detail::BlockRun& b, char* dyn) {
     b.grid = grid;
     b.block = block;
     b.nthreads = nthreads;
@@ -867,13 +865,18 @@ void launch_impl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, c
       f.linear = t;
       f.tid = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
     }
-    if (w.dyn_smem.size() < smem + 16) w.dyn_smem.resize(smem + 16);
-    b.dyn_smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(w.dyn_smem.data()) + 15) & ~uintptr_t(15));
+    b.dyn_smem = dyn;
     b.dyn_smem_bytes = smem;
     b.body = body;
     b.body_ctx = &ctx;
     b.schedule = sched.first;
     b.seed = sched.second;
+  };
+  auto run_range = [&](int64_t i) {
+    detail::Worker& w = detail::worker();
+    static thread_local detail::BlockRun b;
+    if (w.dyn_smem.size() < smem + 16) w.dyn_smem.resize(smem + 16);
+    prepare(b, reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(w.dyn_smem.data()) + 15) & ~uintptr_t(15)));
     b.bidx = make_uint3(unsigned(i % grid.x), unsigned((i / grid.x) % grid.y), unsigned(i / (uint64_t(grid.x) * grid.y)));
     detail::run_block(b);
     return b.error;
@@ -905,22 +908,7 @@ void launch_impl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, c
     auto run_rank = [&](unsigned r) {
       try {
         detail::BlockRun b;
-        b.grid = grid;
-        b.block = block;
-        b.nthreads = nthreads;
-        b.fibers.resize(nthreads);
-        b.warps.resize((nthreads + 31) / 32);
-        for (unsigned t = 0; t < nthreads; ++t) {
-          detail::Fiber& f = b.fibers[t];
-          f.linear = t;
-          f.tid = make_uint3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
-        }
-        b.dyn_smem = cl.smem[r];
-        b.dyn_smem_bytes = smem;
-        b.body = body;
-        b.body_ctx = &ctx;
-        b.schedule = sched.first;
-        b.seed = sched.second;
+        prepare(b, cl.smem[r]);
         b.bidx = make_uint3(ci.x * cd.x + r % cd.x, ci.y * cd.y + (r / cd.x) % cd.y, ci.z * cd.z + r / (cd.x * cd.y));
         b.cluster = &cl;
         b.cluster_rank = r;
