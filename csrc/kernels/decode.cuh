@@ -159,9 +159,9 @@ __device__ __forceinline__ float query_multiplier(const AttentionParams& p) {
 
 // The score modifications after q . k, per lane for its G heads: soft-cap, then ALiBi, leaving the
 // score in the log2 domain. The slopes are read per key rather than held in G registers beside the
-// group-8 kernel's q and accumulators: from global memory (L1 hits) in the general loop, from a copy
-// in shared memory in the fast one (block_alibi_slopes), whose loop then issues no global load but
-// its copies.
+// group-8 kernel's q and accumulators, from the block's copy in shared memory (block_alibi_slopes):
+// a global load per key and head would stall the warp's in-order issue a memory latency each (the
+// general loop's 8-14 dependent rounds in bench/sass.py's model before it took the copy too).
 template <int G>
 struct ScoreMod {
   float cap, cap_log2, inv_cap;  // softcap, softcap * log2(e), 1 / softcap; cap = 0: none
@@ -202,7 +202,7 @@ struct ScoreMod {
   }
 };
 
-// The block's copy of its query heads' ALiBi slopes (at most kMaxHeadsPerBlock), for the fast loop
+// The block's copy of its query heads' ALiBi slopes (at most kMaxHeadsPerBlock), for the KV loops
 // with score modifiers (decode_block): shared-memory reads in its KV loop rather than global loads.
 __device__ __forceinline__ float* block_alibi_slopes() {
   __shared__ float slopes[kMaxHeadsPerBlock];
@@ -615,7 +615,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f);
   ScoreMod<G> mod;
   if constexpr (kScoreMods) mod.init(p, head0 + tile * G, rs.pos);
-  if constexpr (kFast && kScoreMods) {
+  if constexpr (kScoreMods) {
     if (p.alibi_slopes) {  // visible after the barrier before the KV loop
       float* const slopes = block_alibi_slopes();
       for (int h = threadIdx.x; h < nheads; h += blockDim.x) slopes[h] = p.alibi_slopes[head0 + h];
