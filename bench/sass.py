@@ -39,6 +39,10 @@ The model (everything below is static; each number is an estimate of a ceiling, 
   order pointer-chasing microbenchmarks publish: Chips and Cheese, "Nvidia's H100: Funny L2, and
   Tons of Bandwidth", 2023; Luo et al., arXiv:2402.13499; their exact figures not re-checked here)
   plus queueing under load. `--latency-ns` changes it.
+- Decode calls (call_bound): a plan in thread-block clusters merges its partials through distributed
+  shared memory, which is taken to cost 200 ns (DEFAULT_EXCHANGE_NS: the blocks' stores into each
+  other's shared memory, then one cluster barrier, in series, each ~200 cycles, the order Luo et al.
+  publish for Hopper's SM-to-SM network; ANOTHER ASSUMPTION, not re-checked). `--exchange-ns` changes it.
 - The ceilings are shares of the H200's 4.8 TB/s HBM3e (H200 product brief); the smallest of them
   and 100% is the kernel's static bound. All assume a grid that fills every SM at the kernel's
   occupancy (a shape's grid fill, e.g. the split-KV plan's, is not modelled) and ignore barriers,
@@ -67,6 +71,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CACHE_DIR = ROOT / "build" / "sass-cache"
 DEFAULT_LATENCY_NS = 600.0
+# A cluster's merge of its partials (decode.cuh push_partial): each block's stores into the others'
+# shared memory, then one cluster barrier (its release waits for them), in series, each taken as ~100 ns
+# (~200 cycles at 1.98 GHz). An assumption: no GPU has timed it here (bench/device_check.sh measures
+# batch 1 when one is lent).
+DEFAULT_EXCHANGE_NS = 200.0
 
 
 @dataclass(frozen=True)
@@ -573,7 +582,8 @@ def markdown(rows: list[dict], full: bool = False) -> str:
 DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8), ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8),
                  ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8), ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8)]
 PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
-               "tile_tokens", "smem", "blocks_per_sm", "fast_path", "score_mods")  # csrc/cuda_emu/backend.cpp decode_plan
+               "tile_tokens", "smem", "blocks_per_sm", "fast_path", "score_mods",
+               "cluster_blocks")  # csrc/cuda_emu/backend.cpp decode_plan
 
 
 def decode_plan(num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, sms: int, head: int = 128,
@@ -602,7 +612,8 @@ def decode_plan(num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, 
 
 
 def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int,
-               dev: Device, latency_ns: float, head: int = 128, elem: int = 2) -> dict:
+               dev: Device, latency_ns: float, head: int = 128, elem: int = 2,
+               exchange_ns: float = DEFAULT_EXCHANGE_NS) -> dict:
     """The share of the DRAM peak one decode call reaches by the static model, at its plan's grid:
     - resident warps per SM: the kernel's occupancy, or fewer when the grid is smaller
       (CTAs x warps / SMs); the Little and chain ceilings scale with them, the issue ceiling not;
@@ -611,7 +622,9 @@ def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: in
       left out;
     - time: bytes at the steady-state bound, plus one latency per wave of CTAs (the first tiles of
       a wave wait a whole latency before any byte arrives) and one for the reduce kernel (its loads
-      wait for the decode kernel's stores); launch gaps are left out;
+      wait for the decode kernel's stores), or, where the plan merges in thread-block clusters
+      (plan["cluster_blocks"] > 1: no partials in global memory, no reduce kernel), exchange_ns for
+      the cluster's barriers and shared-memory loads; launch gaps are left out;
     - latency_ceiling: the share with the same latencies at a 100% steady bound and no partial bytes."""
     ctas = plan["grid_x"] * plan["grid_y"] * plan["grid_z"]
     warps_per_cta = plan["threads"] // 32
@@ -620,20 +633,23 @@ def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: in
     steady = min(lp["issue_share"], lp["little_share"] * warps / row["warps"],
                  lp["chain_share"] * warps / row["warps"], 1.0)
     kv = num_seqs * num_kv_heads * seq_len * 2 * head * elem
-    workspace = 2 * num_seqs * num_heads * plan["grid_z"] * (head + 2) * 4 if plan["split"] else 0
+    cluster = plan.get("cluster_blocks", 0) > 1
+    reduce = bool(plan["split"]) and not cluster
+    workspace = 2 * num_seqs * num_heads * plan["grid_z"] * (head + 2) * 4 if reduce else 0
     waves = math.ceil(ctas / max(row["blocks"] * dev.sms, 1))
-    latencies = latency_ns * 1e-9 * (waves + bool(plan["split"]))
+    latencies = latency_ns * 1e-9 * (waves + reduce) + (exchange_ns * 1e-9 if cluster else 0.0)
     seconds = (kv + workspace) / (steady * dev.dram_bytes_s) + latencies
     # What the latencies alone leave: the share at a 100% steady bound with no partial bytes. A
-    # split call's second latency is the merge's (its loads wait for the partials' stores), so a
-    # split plan can never pass latency_ceiling whatever its KV loop does.
+    # split call's second latency is the reduce kernel's (its loads wait for the partials' stores), a
+    # clustered one's the exchange, so no plan passes latency_ceiling whatever its KV loop does.
     kv_seconds = kv / dev.dram_bytes_s
     return dict(ctas=ctas, warps_per_sm=warps, steady_share=steady, kv_bytes=kv, workspace_bytes=workspace,
                 waves=waves, seconds=seconds, share=kv_seconds / seconds,
                 latency_ceiling=kv_seconds / (kv_seconds + latencies))
 
 
-def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS) -> list[dict]:
+def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS,
+                     exchange_ns: float = DEFAULT_EXCHANGE_NS) -> list[dict]:
     """call_bound of DECODE_SHAPES on an H200, for the sm_90 decode_kernel the plan launches."""
     dev, out = DEVICES["sm_90"], []
     for label, seqs, ctx, heads, kv_heads in DECODE_SHAPES:
@@ -647,13 +663,16 @@ def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS) -
                     and "warps" in r and "issue_share" in r.get("loop", {})), None)
         if row:
             out.append(dict(shape=label, kernel=f"decode_kernel<{', '.join(args)}>", plan=plan,
-                            **call_bound(row, plan, seqs, ctx, heads, kv_heads, dev, latency_ns)))
+                            **call_bound(row, plan, seqs, ctx, heads, kv_heads, dev, latency_ns,
+                                         exchange_ns=exchange_ns)))
     return out
 
 
 CALL_NOTE = ("Decode calls: the sm_90 kernel their plan (csrc/kernels/plan.h, by the emulator's decode_plan on "
              "132 SMs) launches, at the grid it launches: resident warps from the grid, the KV bytes plus the "
-             "split-KV partials written and read back, one latency per wave and one for the reduce kernel "
+             "split-KV partials written and read back, one latency per wave and one for the reduce kernel, or "
+             f"for a plan in thread-block clusters (partition 'x n, cluster') no partials in memory and "
+             f"{DEFAULT_EXCHANGE_NS:.0f} ns (assumed) for the cluster's exchange "
              "(latencies alone allow: the share at a 100% steady bound with those latencies and no partials) "
              "(bench/sass.py call_bound).\n")
 
@@ -664,6 +683,8 @@ def call_markdown(calls: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in calls:
         part = f"{c['plan']['partition_size']} x {c['plan']['grid_z']}" if c["plan"]["split"] else "one pass"
+        if c["plan"].get("cluster_blocks", 0) > 1:
+            part += ", cluster"
         lines.append("| " + " | ".join([c["shape"], c["kernel"], str(c["ctas"]), part, f"{c['warps_per_sm']:.1f}",
                                         f"{c['steady_share']:.0%}", f"{c['workspace_bytes'] / c['kv_bytes']:.1%}",
                                         str(c["waves"]), f"{c['share']:.0%}", f"{c['latency_ceiling']:.0%}"]) + " |")
@@ -689,6 +710,8 @@ def main(argv=None) -> int:
     ap.add_argument("--md", help="write the markdown table here")
     ap.add_argument("--full", action="store_true", help="one row per instantiation, not per family")
     ap.add_argument("--latency-ns", type=float, default=DEFAULT_LATENCY_NS)
+    ap.add_argument("--exchange-ns", type=float, default=DEFAULT_EXCHANGE_NS,
+                    help="a thread-block cluster's merge of its partials (decode calls)")
     ap.add_argument("--anchors", action="store_true", help="FlashInfer / FlashAttention-2, compiled here")
     ap.add_argument("--flashinfer", default=os.environ.get("FLASHINFER_DATA"), help="flashinfer/data dir")
     ap.add_argument("--flash-attn", default=os.environ.get("FLASH_ATTN_SRC"), help="csrc/flash_attn/src dir")
@@ -704,7 +727,7 @@ def main(argv=None) -> int:
         so = a.so or default_so()
         rows = cached_rows(so, sorted(set(archs) & archs_in(so)), a.latency_ns)
     table = markdown(rows, a.full) + "\n" + model_note(a.latency_ns)
-    calls = [] if a.anchors else decode_call_rows(rows, a.latency_ns)
+    calls = [] if a.anchors else decode_call_rows(rows, a.latency_ns, a.exchange_ns)
     if calls:
         table += "\n" + call_markdown(calls) + "\n" + CALL_NOTE
     print(table)

@@ -69,6 +69,9 @@ struct Target {
   // The kernels index heads, rows and blocks with int: larger sizes are rejected before a launch
   // (int_size). False: every size is int64 all the way (the cpu backend).
   bool int32_sizes;
+  // Blocks a thread-block cluster may have on the device (16 from sm_90: the decode plan's cluster merge,
+  // kernels/plan.h plan_cluster_merge); 0: no clusters.
+  int max_cluster_size = 0;
 };
 
 // An explicit configuration (the test namespace's *_config ops), else the target's choice.
@@ -172,6 +175,7 @@ inline AttentionParams attention_params(const Target& tgt, const Tensor& out, co
   p.scale = float(scale);
   p.causal = causal;
   p.num_sms = tgt.num_sms;
+  p.max_cluster_size = tgt.max_cluster_size;
   // softcap in float, kept > 0 and finite when it is (validation bounds it; a direct call of a
   // backend namespace does not validate, and inf * tanh(0) would make every score NaN).
   p.softcap = variants.softcap > 0 ? std::clamp(float(variants.softcap), std::numeric_limits<float>::denorm_min(),

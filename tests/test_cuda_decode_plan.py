@@ -1,8 +1,9 @@
 """The bandwidth decode kernel (csrc/kernels/decode.cuh, issue #23 item 2) under the emulator: its
 split-KV plan taken from the device's SM count (the emulator's, set by
 paged_cuda_emu_test.set_num_sms), the cp.async ring at tile sizes that leave every stage partial,
-the group spread over head tiles of <= 4 heads, and the general (odd view, non-power-of-two block)
-paths next to the fast ones. Same standards as tests/test_cuda_emu.py: fresh random inputs, NaN in
+the group spread over head tiles of <= 4 heads, the general (odd view, non-power-of-two block)
+paths next to the fast ones, and split rows merged inside thread-block clusters (the emulated sm_90
+plans them as an H100 / H200 would; paged_cuda_emu_test.set_max_cluster_size picks the size). Same standards as tests/test_cuda_emu.py: fresh random inputs, NaN in
 the output and the unused cache slots, the float64 reference.
 """
 from __future__ import annotations
@@ -25,17 +26,30 @@ def config_list(**kw) -> list[int]:
     return [int(kw.get(k, 0)) for k in CONFIG_FIELDS]
 
 
+def _restored(setter):
+    """A fixture's body: yields set(n), which calls setter(n) (it returns the value it replaces); the
+    first value replaced is put back when the test ends."""
+    previous = []
+
+    def set_value(n):
+        previous.append(setter(n))
+
+    yield set_value
+    if previous:
+        setter(previous[0])
+
+
 @pytest.fixture
 def num_sms():
     """num_sms(n): the emulated device has n SMs until the test ends."""
-    previous = []
+    yield from _restored(selftest.set_num_sms)
 
-    def set_sms(n):
-        previous.append(selftest.set_num_sms(n))
 
-    yield set_sms
-    if previous:
-        selftest.set_num_sms(previous[0])
+@pytest.fixture
+def max_cluster():
+    """max_cluster(n): plans may take thread-block clusters of up to n blocks (0: none; -1: the arch's,
+    16 on the emulated sm_90) until the test ends."""
+    yield from _restored(selftest.set_max_cluster_size)
 
 
 def plan(case, softcap=0.0, alibi_slopes=None, **config) -> dict:
@@ -64,13 +78,43 @@ def batch_one_case(ctx=4096):
                      spare_blocks=1, spare_columns=0, seed=5)
 
 
-def test_batch_one_plan_fills_132_sms(num_sms):
+def test_batch_one_plan_fills_132_sms(num_sms, max_cluster):
     # Before: 512-token partitions at least, so 8 KV heads x 4096 tokens launched 64 CTAs on 132 SMs.
+    # (A device without thread-block clusters: with them, the plan below.)
     num_sms(132)
+    max_cluster(0)
     pl = plan(batch_one_case())
-    assert pl["split"] and ctas(pl) >= 132 * 2, pl
+    assert pl["split"] and ctas(pl) >= 132 * 2 and pl["cluster_blocks"] == 0, pl
     assert pl["partition_size"] % 16 == 0 and pl["partition_size"] >= 32, pl  # whole pages, two at least
     assert pl["heads_per_thread"] == 4 and pl["threads"] == 128, pl
+
+
+def test_batch_one_plan_is_a_cluster_per_kv_head(num_sms):
+    # sm_90 (the emulator's default arch): a row's partitions are one cluster of 16 blocks of 8 warps,
+    # which merge their partials in distributed shared memory (no workspace, no reduce kernel); tiles
+    # of one step of each of the 16 token groups, the fast loop kept.
+    num_sms(132)
+    pl = plan(batch_one_case())
+    assert pl["cluster_blocks"] == 16 and pl["grid_z"] == 16 and ctas(pl) == 8 * 16, pl
+    assert pl["split"] and pl["threads"] == 256 and pl["partition_size"] == 256 and pl["tile_tokens"] == 64, pl
+    assert pl["fast_path"] and pl["heads_per_thread"] == 4, pl
+
+
+def test_no_cluster_where_it_would_not_fill_the_device(num_sms):
+    num_sms(132)
+    # 1 KV head: 16 blocks on 132 SMs; the reduce kernel's plan (hundreds of blocks) instead.
+    one_kv = plan(make_case([4096], num_heads=8, num_kv_heads=1, head_size=128, block_size=16,
+                            dtype=torch.bfloat16, seed=1))
+    assert one_kv["split"] and one_kv["cluster_blocks"] == 0 and ctas(one_kv) >= 128, one_kv  # 32-token partitions
+    # A full batch is not split at all; a windowed row may need one partition more than its length.
+    assert plan(make_case([40] * 64, num_heads=32, num_kv_heads=8, head_size=128, block_size=16,
+                          dtype=torch.bfloat16, seed=1))["cluster_blocks"] == 0
+    # Before sm_90 there are no clusters.
+    before = selftest.set_emulated_arch(80)
+    try:
+        assert plan(batch_one_case())["cluster_blocks"] == 0
+    finally:
+        selftest.set_emulated_arch(before)
 
 
 def test_plan_follows_the_sm_count(num_sms):
@@ -222,3 +266,36 @@ def test_variants_through_the_ring(num_sms):
             selftest.decode_attention_config(*case.decode_args(out), config_list(**config), **kw, lse=lse)
         assert_close(out, want, case.dtype)
         assert_close(lse, want_lse, torch.float32)
+
+
+@pytest.mark.parametrize("cluster", [2, 4, 16])
+@pytest.mark.parametrize("group,head_size,dtype,cache_dtype,mods", [
+    (4, 128, torch.bfloat16, None, ""),                    # the fast loop
+    (8, 64, torch.float16, torch.float8_e4m3fn, ""),        # fp8, two head tiles a block
+    (1, 256, torch.float32, None, ""),
+    (3, 96, torch.bfloat16, torch.float8_e5m2, ""),         # the general loop (96 wide), a partial head tile
+    (4, 128, torch.float16, None, "softcap+alibi"),         # the fast loop's score-mods instance
+    (2, 128, torch.bfloat16, torch.float8_e4m3fn, "alibi"),  # the general loop's
+])
+def test_cluster_merge_matches_the_reference(num_sms, max_cluster, cluster, group, head_size, dtype, cache_dtype,
+                                             mods):
+    # Rows of 0, 1 .. all partitions: a row's blocks past its keys are empty and still merge their
+    # share; sinks and lse through the merge (finish_softmax). 16 SMs make the rows' 10 blocks split.
+    num_sms(16)
+    max_cluster(cluster)
+    num_heads = 2 * group
+    case = make_case([0, 1, 37, 300, 700], num_heads=num_heads, num_kv_heads=2, head_size=head_size, block_size=16,
+                     dtype=dtype, cache_dtype=cache_dtype, scale_kind="head", seed=cluster + group)
+    g = torch.Generator().manual_seed(cluster)
+    kw = dict(sinks=torch.randn(num_heads, generator=g))
+    if "softcap" in mods:
+        kw["softcap"] = 20.0
+    if "alibi" in mods:
+        kw["alibi_slopes"] = torch.rand(num_heads, generator=g) * 0.1
+    pl = plan(case, softcap=kw.get("softcap", 0.0), alibi_slopes=kw.get("alibi_slopes"))
+    assert pl["cluster_blocks"] == cluster and pl["grid_z"] == cluster and pl["split"], pl
+    want, want_lse = case.reference_decode_lse(**kw)
+    out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
+    paged_ops.backend("cuda_emu").decode_attention(*case.decode_args(out), **kw, lse=lse)
+    assert_close(out, want, case.dtype)
+    assert_close(lse, want_lse, torch.float32)

@@ -31,6 +31,20 @@ int num_sms(int device) {
   return n;
 }
 
+// Blocks a thread-block cluster may have (kernels/plan.h plan_cluster_merge): 16, the non-portable size
+// the programming guide gives compute capability 9.0, where the device launches clusters at all
+// (cudaDevAttrClusterLaunch); else 0.
+int max_cluster_size(int device) {
+  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet, else the answer + 1
+  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
+  if (slot && slot->load(std::memory_order_relaxed)) return slot->load(std::memory_order_relaxed) - 1;
+  int clusters = 0;
+  check(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device), "cudaDeviceGetAttribute");
+  const int n = clusters ? 16 : 0;
+  if (slot) slot->store(n + 1, std::memory_order_relaxed);
+  return n;
+}
+
 // Any direction (host<->device, device<->device): unified addressing lets cudaMemcpyDefault infer
 // it. Asynchronous on the stream when the host side is pinned.
 void copy_bytes(void* dst, const void* src, size_t bytes, paged::Stream stream) {
@@ -45,7 +59,7 @@ struct Backend {
     const int index = device.index() >= 0 ? device.index() : c10::cuda::current_device();
     return {&paged::kCudaDecode, &paged::kCudaPrefill, nullptr, &paged::kCudaCache, &paged::kCudaMerge,
             &paged::kCudaMergeStates, c10::cuda::getCurrentCUDAStream(index).stream(), num_sms(index), copy_bytes,
-            tuning::tuned_config, /*int32_sizes=*/true};
+            tuning::tuned_config, /*int32_sizes=*/true, max_cluster_size(index)};
   }
 };
 

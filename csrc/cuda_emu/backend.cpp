@@ -63,11 +63,24 @@ inline std::atomic<int>& emulated_arch() {
   return arch;
 }
 
+// Blocks a thread-block cluster may have on the emulated device: 16 on sm_90 (its non-portable size,
+// which the decode plan's cluster merge takes) unless a test sets another count
+// (paged_cuda_emu_test::set_max_cluster_size; -1: the arch's); none before sm_90.
+inline std::atomic<int>& emulated_max_cluster() {
+  static std::atomic<int> n{-1};
+  return n;
+}
+inline int emulated_max_cluster_size() {
+  const int n = emulated_max_cluster().load();
+  return emulated_arch().load() < 90 ? 0 : n >= 0 ? n : 16;
+}
+
 struct Backend {
   using Guard = paged::registration::NoGuard;
   static paged::binding::Target target(const at::Device&) {
     return {emulated_arch().load() < 90 ? &paged::kEmuDecodeSm80 : &paged::kEmuDecode, &paged::kEmuPrefill, nullptr, &paged::kEmuCache, &paged::kEmuMerge,
-            &paged::kEmuMergeStates, nullptr, emulated_sms().load(), copy_bytes, nullptr, /*int32_sizes=*/true};
+            &paged::kEmuMergeStates, nullptr, emulated_sms().load(), copy_bytes, nullptr, /*int32_sizes=*/true,
+            emulated_max_cluster_size()};
   }
 };
 
@@ -125,6 +138,13 @@ int64_t set_num_sms(int64_t n) {
   return emulated_sms().exchange(n ? int(n) : kDefaultEmulatedSMs);
 }
 
+// The cluster size the plans may take from now on (0: no clusters, as before sm_90; 2..16; -1: the
+// emulated arch's, 16 on sm_90); returns the previous setting.
+int64_t set_max_cluster_size(int64_t n) {
+  TORCH_CHECK_VALUE(n >= -1 && n <= 16, "set_max_cluster_size: ", n, " (-1: the arch's, 0: none, up to 16)");
+  return emulated_max_cluster().exchange(int(n));
+}
+
 // The architecture whose code the emulated decode runs from now on (80, 86, 89: sm_80's build;
 // 90 or 0: sm_90's); returns the previous one.
 int64_t set_emulated_arch(int64_t arch) {
@@ -141,7 +161,7 @@ int64_t decode_rows_per_step(int64_t cache_bytes) {
 
 // The decode plan (kernels/plan.h) decode_attention_config would launch with: [grid_x, grid_y,
 // grid_z, threads, split, partition_size, heads_per_thread, tile_tokens, smem bytes, blocks_per_sm,
-// fast_path, score_mods], for a call with this soft-cap and these ALiBi slopes.
+// fast_path, score_mods, cluster_blocks], for a call with this soft-cap and these ALiBi slopes.
 std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                                  const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                                  at::IntArrayRef config, double softcap, const std::optional<Tensor>& alibi_slopes) {
@@ -154,7 +174,7 @@ std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const T
                                        1.0, true, std::nullopt, std::nullopt, variants);
   const paged::DecodePlan pl = paged::plan_decode(p, paged::binding::config_from_list(config));
   return {pl.grid_x, pl.grid_y, pl.grid_z, pl.threads, pl.split, pl.partition_size, pl.heads_per_thread,
-          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm, pl.fast_path, pl.score_mods};
+          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm, pl.fast_path, pl.score_mods, pl.sh.cluster_blocks};
 }
 
 }  // namespace
@@ -174,6 +194,7 @@ TORCH_LIBRARY_FRAGMENT(paged_cuda_emu_test, m) {
         "bool batch_invariant=False) -> int");
   m.def("set_num_sms(int n) -> int", &paged_cuda_emu::set_num_sms);
   m.def("set_emulated_arch(int arch) -> int", &paged_cuda_emu::set_emulated_arch);
+  m.def("set_max_cluster_size(int n) -> int", &paged_cuda_emu::set_max_cluster_size);
   m.def("decode_rows_per_step(int cache_bytes) -> int", &paged_cuda_emu::decode_rows_per_step);
   m.def("decode_plan(Tensor out, Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, int[] config, float softcap=0.0, Tensor? alibi_slopes=None) -> int[]");

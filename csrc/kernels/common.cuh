@@ -11,6 +11,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
+#include <cooperative_groups.h>
 #endif
 
 #include <cstdint>
@@ -73,6 +74,73 @@ using namespace ::paged;  // kernels/params.h's parameter structs and dtype code
 #define PAGED_CHECK_LAUNCH(what) ::paged_cuda::check_cuda(cudaGetLastError(), what)
 inline void check_cuda(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("paged_cuda: ") + what + ": " + cudaGetErrorString(e));
+}
+#endif
+
+// ---- thread-block clusters (sm_90 and later) ---------------------------------------------------
+// A launch in clusters of `cluster` blocks (cudaLaunchKernelEx with cudaLaunchAttributeClusterDimension;
+// over 8 blocks, the portable size, the kernel must allow non-portable sizes), and in the kernels the
+// block's rank in its cluster, the cluster's barrier (barrier.cluster.arrive.release + wait.acquire:
+// every thread of every block, shared-memory writes before it visible to the cluster after it) and
+// the address of the same shared-memory variable in another block of the cluster (mapa). Where the
+// code is compiled for an arch without clusters, calling them traps.
+#ifdef PAGED_EMU
+#define PAGED_LAUNCH_CLUSTER(kernel, grid, block, smem, stream, cluster, ...)                              \
+  do {                                                                                                     \
+    if ((cluster).x * (cluster).y * (cluster).z > 8) ::cuda_emu::func_set_non_portable_cluster_size_allowed(kernel, true); \
+    ::cuda_emu::launch_cluster(kernel, grid, block, smem, cluster, __VA_ARGS__);                        \
+  } while (0)
+inline unsigned cluster_block_rank() { return ::cuda_emu::cluster_ctarank(); }
+inline void cluster_barrier() { ::cuda_emu::cluster_sync(); }
+template <typename T>
+inline T* cluster_shared_of(T* p, unsigned rank) {
+  return ::cuda_emu::cluster_map_shared_rank(p, rank);
+}
+#else
+template <typename... KArgs, typename... Args>
+inline void launch_cluster(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                           dim3 cluster, Args... args) {
+  if (cluster.x * cluster.y * cluster.z > 8)
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1), "cudaFuncSetAttribute");
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster.x;
+  attr[0].val.clusterDim.y = cluster.y;
+  attr[0].val.clusterDim.z = cluster.z;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, args...), "cudaLaunchKernelEx");
+}
+#define PAGED_LAUNCH_CLUSTER(kernel, grid, block, smem, stream, cluster, ...) \
+  ::PAGED_KERNEL_NS::launch_cluster(kernel, grid, block, smem, static_cast<cudaStream_t>(stream), cluster, __VA_ARGS__)
+__device__ __forceinline__ unsigned cluster_block_rank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().block_rank();
+#else
+  __trap();
+  return 0;
+#endif
+}
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cooperative_groups::this_cluster().sync();
+#else
+  __trap();
+#endif
+}
+template <typename T>
+__device__ __forceinline__ T* cluster_shared_of(T* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+#else
+  __trap();
+  return p;
+#endif
 }
 #endif
 

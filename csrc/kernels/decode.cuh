@@ -60,7 +60,10 @@
 // Partitions are aligned to multiples of partition_size from the row's first visible key's
 // partition, so a given key range is always cut the same way. plan_decode (kernels/plan.h) sizes
 // them from the device's SM count: a grid short of kDecodeFillBlocksPerSM blocks per SM is cut into
-// partitions down to two pages; the batch-invariant mode keeps its constant size.
+// partitions down to two pages; the batch-invariant mode keeps its constant size. On sm_90 a row's
+// partitions may instead be one thread-block cluster (plan_cluster_merge: sh.cluster_blocks), whose
+// blocks push their partials into each other's shared memory and merge them there (push_partial,
+// merge_and_store's phase 1): no workspace, no reduce kernel; its empty partitions stay to the merge.
 //
 // Variants (paged_ops/reference.py attention), all runtime values uniform over a launch:
 //  * window_left / window_right: a row sees keys [p - window_left, p] (causal) or
@@ -398,6 +401,7 @@ struct Dest {
   bool split;
   float* tmp_out;
   float* tmp_ml;
+  float* cluster_inbox;  // non-null: the split partial is pushed to the cluster's inboxes (push_partial)
 };
 
 // A row that sees no key (one pass: the block's heads head0 .. head0 + nheads - 1): out 0 (its Dv
@@ -411,6 +415,25 @@ __device__ __forceinline__ void store_empty_row(const AttentionParams& p, int64_
     const RowEnd<float> e = finish_softmax(p, -INFINITY, 0.f, head);
     static_cast<T*>(p.out)[row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(0.f * e.mul);
     if (p.lse && d == 0) p.lse[row * int(p.num_heads) + head] = e.lse;
+  }
+}
+
+// A block's partial of (head h, column d) in a thread-block cluster (plan.h plan_cluster_merge: the
+// row's partitions are the cluster's blocks, partition = rank): pushed into the inbox of the block that
+// merges that pair, block `rank` of n merging the pairs [rank x share, (rank + 1) x share) of the
+// block's heads x Dv (plan.h cluster_share): `a` (the unnormalised output) at [part][pair - its first],
+// and with d = 0 the head's (max, sum) at [part][h] after them, to every block merging a column of it.
+// merge_and_store then merges its own pairs from its inbox.
+__device__ __forceinline__ void push_partial(float* inbox, int part, int nheads, int D, int h, int d, float a,
+                                             float m, float l) {
+  const int n = int(gridDim.z), share = cluster_share(nheads, D, n), idx = h * D + d, owner = idx / share;
+  cluster_shared_of(inbox, unsigned(owner))[part * share + idx - owner * share] = a;
+  if (d == 0) {
+    for (int r = owner; r <= (idx + D - 1) / share; ++r) {
+      float* const to = cluster_shared_of(inbox, unsigned(r)) + size_t(n) * share + (part * nheads + h) * 2;
+      to[0] = m;
+      to[1] = l;
+    }
   }
 }
 
@@ -444,30 +467,63 @@ __device__ __forceinline__ void merge_and_store(const AttentionParams& p, const 
     }
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < nheads * D; idx += blockDim.x) {
-    const int h = idx / D, d = idx % D;
-    const int g = h % gstride, j0 = (h / gstride) * ntg_tile;
-    float M = -INFINITY;
-    for (int j = j0; j < j0 + ntg_tile; ++j) M = fmaxf(M, sml[(j * gstride + g) * 2]);
-    float L = 0.f, A = 0.f;
-    for (int j = j0; j < j0 + ntg_tile; ++j) {
-      const float lj = sml[(j * gstride + g) * 2 + 1];
-      if (lj == 0.f) continue;  // a token group that saw no token (its max is -inf)
-      const float w = exp2f(sml[(j * gstride + g) * 2] - M);
-      L += w * lj;
-      A += w * sacc[size_t(j * gstride + g) * D + d];
+  // Phase 0 merges the block's token groups; in a cluster (o.cluster_inbox), phase 1 merges the row's
+  // partitions that the blocks pushed into this block's inbox (push_partial), after the cluster
+  // barrier that makes the pushes visible: the same arithmetic over other sources (one loop body, so
+  // the kernels hold it once), the partitions in order (blocks past the row's keys pushed a sum of 0,
+  // which adds nothing). No barrier after phase 1: nothing reads another block's shared
+  // memory then, so a block may exit while the others still merge (a pull of the partials would need
+  // the remote loads and a second barrier before anybody exits).
+  const int n = int(gridDim.z);  // in a cluster, the cluster: the row's partitions on grid z
+  const int share = o.cluster_inbox ? cluster_share(nheads, D, n) : 0;
+#pragma unroll 1
+  for (int phase = 0; phase < (o.cluster_inbox ? 2 : 1); ++phase) {
+    int first = 0, count = nheads * D;
+    if (phase == 1) {
+      cluster_barrier();  // every block's pushes have landed
+      first = int(cluster_block_rank()) * share;
+      count = min(share, nheads * D - first);
     }
-    const int head = head0 + h;
-    if (!o.split) {
-      const RowEnd<float> e = finish_softmax(p, M, L, head);  // L = 0: no finite score (out 0)
-      static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A * e.mul);
-      if (p.lse && d == 0) p.lse[o.row * num_heads + head] = e.lse;
-    } else {
-      const size_t row = (size_t(o.row) * num_heads + head) * o.num_partitions + o.part;
-      o.tmp_out[row * D + d] = A / L;
-      if (d == 0) {
-        o.tmp_ml[row * 2] = M;
-        o.tmp_ml[row * 2 + 1] = L;
+    for (int k = threadIdx.x; k < count; k += blockDim.x) {
+      const int idx = first + k, h = idx / D, d = idx % D;
+      // The sources: (max, sum) at ml + j x ml_step, accumulators at acc + j x acc_step, j < sources.
+      const float *ml, *acc;
+      size_t ml_step, acc_step;
+      int sources;
+      if (phase == 0) {
+        const int g = h % gstride, j0 = (h / gstride) * ntg_tile;
+        ml = sml + size_t(j0 * gstride + g) * 2, ml_step = size_t(gstride) * 2;
+        acc = sacc + size_t(j0 * gstride + g) * D + d, acc_step = size_t(gstride) * D;
+        sources = ntg_tile;
+      } else {
+        ml = o.cluster_inbox + size_t(n) * share + size_t(h) * 2, ml_step = size_t(nheads) * 2;
+        acc = o.cluster_inbox + k, acc_step = size_t(share);
+        sources = n;
+      }
+      float M = -INFINITY;
+      for (int j = 0; j < sources; ++j) M = fmaxf(M, ml[j * ml_step]);
+      float L = 0.f, A = 0.f;
+      for (int j = 0; j < sources; ++j) {
+        const float lj = ml[j * ml_step + 1];
+        if (lj == 0.f) continue;  // a token group or partition that saw no token (its max is -inf)
+        const float w = exp2f(ml[j * ml_step] - M);
+        L += w * lj;
+        A += w * acc[j * acc_step];
+      }
+      const int head = head0 + h;
+      if (!o.split || phase == 1) {
+        const RowEnd<float> e = finish_softmax(p, M, L, head);  // L = 0: no finite score (out 0)
+        static_cast<T*>(p.out)[o.row * p.o_stride_token + head * p.o_stride_head + d] = from_float<T>(A * e.mul);
+        if (p.lse && d == 0) p.lse[o.row * num_heads + head] = e.lse;
+      } else if (o.cluster_inbox) {
+        push_partial(o.cluster_inbox, o.part, nheads, D, h, d, A, M, L);
+      } else {
+        const size_t row = (size_t(o.row) * num_heads + head) * o.num_partitions + o.part;
+        o.tmp_out[row * D + d] = A / L;
+        if (d == 0) {
+          o.tmp_ml[row * 2] = M;
+          o.tmp_ml[row * 2 + 1] = L;
+        }
       }
     }
   }
@@ -584,8 +640,19 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   const RowSpan rs = row_span(p, row);
   int start, end;
   partition_keys(rs, split, partition_size, part, start, end);
-  if (start >= end) {  // whole block leaves together: no barrier is skipped by a subset
-    // A split row's empty partitions write nothing (the reduce reads only the row's partitions).
+  const int ntg = blockDim.x / TPT;
+  PAGED_DYNAMIC_SMEM(unsigned char, smem, size_t(sh.smem_bytes));
+  // A cluster block's inbox, after the ring and the merge scratch (plan.h decode_smem): computed where
+  // it is used (a pointer held through the KV loop is a register the group-4 kernels do not have).
+  auto cluster_inbox = [&]() -> float* {
+    return sh.cluster_blocks > 1 ? reinterpret_cast<float*>(
+                                       smem + decode_inbox_offset(sh, int(blockDim.x), TPT, G, int(p.value_head_size)))
+                                 : nullptr;
+  };
+  // A split row's empty partitions write nothing (the reduce reads only the row's partitions); in a
+  // cluster they go on, with no tile, to the merge: they push a partial with a sum of 0 and merge
+  // their share of the others' (a merge of their own here cost the group-4 fp8 kernels a spill).
+  if (start >= end && !(split && sh.cluster_blocks > 1)) {  // the whole block leaves together
     if (!split) store_empty_row<T>(p, row, head0, nheads);
     return;
   }
@@ -599,7 +666,6 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   const int lane = threadIdx.x % 32;
   const int sub = lane % TPT;
   const int tg = (threadIdx.x / 32) * kGroupsPerWarp + lane / TPT;
-  const int ntg = blockDim.x / TPT;
   const int gpt = sh.groups_per_tile;
   const int tile = tg / gpt;
   const int tg_in_tile = tg - tile * gpt;
@@ -627,7 +693,6 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage (sh.stage_bytes) C K rows
   // and, sh.v_rows bytes after them, C V rows; sh.v_rows = 0: V is the first Dv columns of K's rows
   // (one latent, absorbed MLA), read from the staged K rows and never copied itself.
-  PAGED_DYNAMIC_SMEM(unsigned char, smem, size_t(sh.smem_bytes));
   // The fast path's rows are exactly 8 x TPT elements (plan.h decode_fast_path): a constant pitch.
   const int C = sh.tile_tokens, pitch = kFast ? 8 * TPT * int(sizeof(KV)) : sh.pitch;
   int64_t* const offsets = reinterpret_cast<int64_t*>(smem);
@@ -683,6 +748,9 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   for (int j = 0; j < kDecodeStages; ++j) locate(j);
   __syncthreads();  // the first tiles' offsets, for every thread's copies
   for (int j = 0; j < kDecodeStages - 1; ++j) issue(j);
+  // In a cluster: every block has started, so its inbox may be written (push_partial); here, while
+  // the first tiles are in flight, the barrier's latency hides behind theirs.
+  if (sh.cluster_blocks > 1) cluster_barrier();
   for (int c = 0; c < ntiles; ++c) {
     // Groups in flight after K(c): V(c) and the 2 x (kDecodeStages - 2) of the tiles after it.
     cp_async_wait<2 * kDecodeStages - 3>();
@@ -798,7 +866,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   }
 
   merge_and_store<T, G, TPT, VC>(p, st, reinterpret_cast<float*>(smem), ntg, gpt, G, tg, gcount, sub == 0, d0, head0,
-                                 nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml});
+                                 nheads, Dest{row, part, num_partitions, split, tmp_out, tmp_ml, cluster_inbox()});
 }
 
 // Head sizes up to 256 (Dk and Dv): one chunk per lane. G heads per token group (1, 2, 4), TPT
@@ -873,8 +941,12 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       using KV = typename decltype(kt)::type;
       auto run = [&](auto kernel) {
         PAGED_ALLOW_SMEM(kernel, pl.smem);
-        PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sh, pl.split, pl.partition_size,
-                     pl.num_partitions, tmp_out, tmp_ml);
+        if (pl.sh.cluster_blocks > 1)  // a row's partitions, one cluster on z (plan.h plan_cluster_merge)
+          PAGED_LAUNCH_CLUSTER(kernel, grid, dim3(pl.threads), pl.smem, stream, dim3(1, 1, unsigned(pl.sh.cluster_blocks)),
+                               p, pl.sh, pl.split, pl.partition_size, pl.num_partitions, tmp_out, tmp_ml);
+        else
+          PAGED_LAUNCH(kernel, grid, dim3(pl.threads), pl.smem, stream, p, pl.sh, pl.split, pl.partition_size,
+                       pl.num_partitions, tmp_out, tmp_ml);
         PAGED_CHECK_LAUNCH("decode_kernel");
       };
       auto by_path = [&](auto tpt, auto g) {
@@ -904,7 +976,7 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       else if (pl.tpt == 16) by_heads(std::integral_constant<int, 16>{});
       else by_heads(std::integral_constant<int, 32>{});
     });
-    if (pl.split) {
+    if (pl.split && pl.sh.cluster_blocks <= 1) {  // a cluster merged its partials itself
       auto kernel = decode_reduce_kernel<T>;
       PAGED_LAUNCH(kernel, dim3(unsigned(pl.num_rows), p.num_heads), dim3(128), 0, stream, p, pl.partition_size,
                    pl.num_partitions, static_cast<const float*>(tmp_out), static_cast<const float*>(tmp_ml));

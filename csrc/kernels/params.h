@@ -62,6 +62,7 @@ struct AttentionParams {
   float scale;
   bool causal;
   int num_sms;  // of the device, for the split-KV heuristic
+  int max_cluster_size;  // thread-block cluster blocks the device launches (16 from sm_90; 0: none)
   // The variants (paged_ops/reference.py attention): defaults 0, -1, -1, nullptr, nullptr, nullptr, false.
   float softcap;               // > 0: s = softcap * tanh(s / softcap)
   int64_t window_left;         // >= 0: query at position p sees no key before p - window_left

@@ -35,6 +35,7 @@ constexpr int kDecodeStageBytes = 16 * 1024;  // default K + V bytes of one tile
 constexpr int kMaxDecodeStageBytes = 32 * 1024;  // an explicit kv_tile is capped here
 constexpr int kMaxHeadsPerBlock = 64;   // larger groups are cut into head chunks on grid x
 constexpr int kDecodeFillBlocksPerSM = 2;  // the split-KV plan's target grid: 2 blocks per SM
+constexpr int kMaxClusterBlocks = 16;  // the largest thread-block cluster (sm_90's non-portable size)
 constexpr int kMaxPartitions = 8192;    // bounds the split-KV workspace (outside the batch-invariant mode)
 // The per-SM resources the fill heuristic assumes (H100 / H200: sm_90; A100 has 164 KB).
 constexpr int kSmemPerSM = 228 * 1024, kSmemReservedPerBlock = 1024, kRegistersPerSM = 65536;
@@ -78,6 +79,8 @@ struct DecodeShape {
   int copy_bytes;       // bytes per copy_async (16 when pointer and strides allow, down to 1)
   int block_shift;      // log2(block_size) when it is a power of two, else -1
   int smem_bytes;       // dynamic shared memory (decode_smem)
+  int cluster_blocks;   // > 1: a row's partitions are one thread-block cluster of this many blocks on grid
+                        // z, which merges their partials itself (plan_cluster_merge); 0: no cluster
 };
 
 // Floats of the token groups' merge scratch: [ntg][gstride] (max, sum) pairs, then
@@ -85,18 +88,37 @@ struct DecodeShape {
 PAGED_HOST_DEVICE size_t merge_floats(int ntg, int gstride, int D) { return size_t(ntg) * gstride * (D + 2); }
 
 // Shared memory of decode_kernel: per ring stage, the tile's K and V byte offsets (int64, from the
-// block table once per token) and its K then V rows; the merge scratch reuses it at the end.
+// block table once per token) and its K then V rows; the merge scratch reuses it at the end; in a
+// cluster, the block's inbox after them.
 PAGED_HOST_DEVICE size_t decode_offsets_bytes(int tile_tokens) {
   return size_t(kDecodeStages) * tile_tokens * 2 * sizeof(int64_t);
+}
+// A thread-block cluster's merge of a row's partials (decode.cuh push_partial, merge_and_store): block `rank` of
+// n merges the (head, column) pairs [rank x share, (rank + 1) x share) of the block's heads x Dv.
+PAGED_HOST_DEVICE int cluster_share(int heads, int Dv, int n) { return (heads * Dv + n - 1) / n; }
+// Floats of a cluster block's inbox, which the others write from their first cluster barrier on (so
+// apart from the ring and the merge scratch): [n][share] normalised outputs, then [n][heads] (max, sum).
+PAGED_HOST_DEVICE size_t cluster_inbox_floats(int heads, int Dv, int n) {
+  return size_t(n) * (size_t(cluster_share(heads, Dv, n)) + 2 * size_t(heads));
+}
+// Bytes of decode_kernel's ring / merge scratch: where a cluster block's inbox starts.
+PAGED_HOST_DEVICE size_t decode_inbox_offset(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
+  const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * sh.stage_bytes;
+  const size_t merge = merge_floats(threads / tpt, G, Dv) * sizeof(float);
+  return ((ring > merge ? ring : merge) + 15) / 16 * 16;
 }
 PAGED_HOST_DEVICE size_t decode_smem(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
   const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * sh.stage_bytes;
   const size_t merge = merge_floats(threads / tpt, G, Dv) * sizeof(float);
+  if (sh.cluster_blocks > 1)
+    return decode_inbox_offset(sh, threads, tpt, G, Dv) +
+           cluster_inbox_floats(sh.heads_per_block, Dv, sh.cluster_blocks) * sizeof(float);
   return ring > merge ? ring : merge;
 }
 
 struct DecodePlan {
-  // Split-KV: partial results of partitions of partition_size tokens, merged by the reduce kernel.
+  // Split-KV: partial results of partitions of partition_size tokens, merged by the reduce kernel or,
+  // sh.cluster_blocks > 1, by the blocks of a thread-block cluster (plan_cluster_merge).
   // Always on in the batch-invariant mode (even for one partition), so a row's bits never depend
   // on whether some other row made the batch split.
   bool split;
@@ -198,6 +220,47 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   pl.score_mods = pl.fast_path && (p.softcap != 0.f || p.alibi_slopes != nullptr);
 }
 
+// A split row's partitions as one thread-block cluster (p.max_cluster_size > 1: sm_90 and later), which
+// merges their partials through distributed shared memory (decode.cuh push_partial) instead of
+// the reduce kernel's round trip through global memory: the tail of a call is one memory latency
+// shorter, what a batch of one lacks (bench/README.md "decode calls"). Taken when the heuristic split
+// an under-filled grid and the clustered grid still has a block for every other SM: a power of two
+// of partitions (the largest the device allows, no more than the row's keys fill at two pages
+// each), blocks of 256 threads (8 warps: the bytes in flight of a block per SM) with tiles of one
+// step of every token group. A row with fewer partitions than the cluster leaves blocks empty; they
+// still take part in the merge. Not for windowed spans, which may need one partition more than
+// their length (partitions_for_span), nor where the bigger block would leave the fast loop.
+inline void plan_cluster_merge(const AttentionParams& p, const LaunchConfig& cfg, int64_t span, bool windowed,
+                               int64_t max_ctx, DecodePlan& pl) {
+  if (p.max_cluster_size < 2 || pl.k_chunks != 1 || windowed) return;
+  const int64_t page = std::max<int64_t>(p.block_size, 1);
+  const int64_t min_part = std::max<int64_t>(page, (32 + page - 1) / page * page);
+  const int64_t most = std::min(span, max_ctx) / min_part;  // partitions of at least two pages
+  int n = 1;
+  while (2 * n <= std::min(p.max_cluster_size, kMaxClusterBlocks) && 2 * n <= most) n *= 2;
+  if (n < 2) return;
+  LaunchConfig c = cfg;
+  if (c.threads == 0) c.threads = 256;
+  DecodePlan q = pl;
+  plan_decode_shape(p, c, q);
+  if (c.kv_tile == 0) {  // one step of every token group a tile (the default budget would halve it)
+    c.kv_tile = q.sh.groups_per_tile * decode_rows_per_step(dtype_bytes(p.cache_dtype));
+    plan_decode_shape(p, c, q);
+  }
+  if (q.fast_path != pl.fast_path) return;
+  const int64_t blocks = q.num_rows * q.sh.n_hchunks * q.grid_y;
+  if (2 * blocks * n < std::max(p.num_sms, 1)) return;
+  const int64_t part = (std::min(span, max_ctx) + n - 1) / n;
+  q.partition_size = int((part + page - 1) / page * page);
+  q.sh.cluster_blocks = n;
+  q.sh.smem_bytes = int(decode_smem(q.sh, q.threads, q.tpt, q.heads_per_thread, int(p.value_head_size)));
+  q.smem = size_t(q.sh.smem_bytes);
+  q.grid_x = q.num_rows * q.sh.n_hchunks;
+  q.num_partitions = q.grid_z = n;
+  q.workspace_floats = 0;
+  pl = q;
+}
+
 // p.cu_seqlens_q != nullptr: the rows are prefill_attention's query rows (one per token, each with
 // its own position; the batch-invariant mode runs prefill through this kernel), else one decode row
 // per sequence.
@@ -261,6 +324,7 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
   pl.grid_z = pl.num_partitions;
   pl.workspace_floats =
       pl.split ? size_t(pl.num_rows) * p.num_heads * pl.num_partitions * (p.value_head_size + 2) : 0;
+  if (pl.split && !p.batch_invariant && cfg.partition_size == 0) plan_cluster_merge(p, cfg, span, windowed, max_ctx, pl);
   return pl;
 }
 
