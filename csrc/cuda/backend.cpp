@@ -21,29 +21,24 @@ void check(cudaError_t e, const char* what) {
   TORCH_CHECK(e == cudaSuccess, "paged_cuda: ", what, ": ", cudaGetErrorString(e));
 }
 
-int num_sms(int device) {
-  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet
+// A device attribute, asked once per device (the ops read them on every call).
+template <cudaDeviceAttr kAttr>
+int device_attribute(int device) {
+  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet, else the answer + 1
   std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
-  if (slot && slot->load(std::memory_order_relaxed)) return slot->load(std::memory_order_relaxed);
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute");
-  if (slot) slot->store(n, std::memory_order_relaxed);
-  return n;
+  if (slot && slot->load(std::memory_order_relaxed)) return slot->load(std::memory_order_relaxed) - 1;
+  int value = 0;
+  check(cudaDeviceGetAttribute(&value, kAttr, device), "cudaDeviceGetAttribute");
+  if (slot) slot->store(value + 1, std::memory_order_relaxed);
+  return value;
 }
+
+int num_sms(int device) { return device_attribute<cudaDevAttrMultiProcessorCount>(device); }
 
 // Blocks a thread-block cluster may have (kernels/plan.h plan_cluster_merge): 16, the non-portable size
 // the programming guide gives compute capability 9.0, where the device launches clusters at all
 // (cudaDevAttrClusterLaunch); else 0.
-int max_cluster_size(int device) {
-  static std::array<std::atomic<int>, 64> cached{};  // 0 = not asked yet, else the answer + 1
-  std::atomic<int>* slot = device >= 0 && device < 64 ? &cached[device] : nullptr;
-  if (slot && slot->load(std::memory_order_relaxed)) return slot->load(std::memory_order_relaxed) - 1;
-  int clusters = 0;
-  check(cudaDeviceGetAttribute(&clusters, cudaDevAttrClusterLaunch, device), "cudaDeviceGetAttribute");
-  const int n = clusters ? 16 : 0;
-  if (slot) slot->store(n + 1, std::memory_order_relaxed);
-  return n;
-}
+int max_cluster_size(int device) { return device_attribute<cudaDevAttrClusterLaunch>(device) ? 16 : 0; }
 
 // Any direction (host<->device, device<->device): unified addressing lets cudaMemcpyDefault infer
 // it. Asynchronous on the stream when the host side is pinned.

@@ -101,19 +101,21 @@ PAGED_HOST_DEVICE int cluster_share(int heads, int Dv, int n) { return (heads * 
 PAGED_HOST_DEVICE size_t cluster_inbox_floats(int heads, int Dv, int n) {
   return size_t(n) * (size_t(cluster_share(heads, Dv, n)) + 2 * size_t(heads));
 }
-// Bytes of decode_kernel's ring / merge scratch: where a cluster block's inbox starts.
-PAGED_HOST_DEVICE size_t decode_inbox_offset(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
+// Bytes of decode_kernel's ring, or of the merge scratch that reuses it where that is larger.
+PAGED_HOST_DEVICE size_t decode_ring_bytes(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
   const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * sh.stage_bytes;
   const size_t merge = merge_floats(threads / tpt, G, Dv) * sizeof(float);
-  return ((ring > merge ? ring : merge) + 15) / 16 * 16;
+  return ring > merge ? ring : merge;
+}
+// Where a cluster block's inbox starts: after the ring, 16-byte aligned.
+PAGED_HOST_DEVICE size_t decode_inbox_offset(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
+  return (decode_ring_bytes(sh, threads, tpt, G, Dv) + 15) / 16 * 16;
 }
 PAGED_HOST_DEVICE size_t decode_smem(const DecodeShape& sh, int threads, int tpt, int G, int Dv) {
-  const size_t ring = decode_offsets_bytes(sh.tile_tokens) + size_t(kDecodeStages) * sh.stage_bytes;
-  const size_t merge = merge_floats(threads / tpt, G, Dv) * sizeof(float);
   if (sh.cluster_blocks > 1)
     return decode_inbox_offset(sh, threads, tpt, G, Dv) +
            cluster_inbox_floats(sh.heads_per_block, Dv, sh.cluster_blocks) * sizeof(float);
-  return ring > merge ? ring : merge;
+  return decode_ring_bytes(sh, threads, tpt, G, Dv);
 }
 
 struct DecodePlan {
@@ -220,6 +222,12 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   pl.score_mods = pl.fast_path && (p.softcap != 0.f || p.alibi_slopes != nullptr);
 }
 
+// The smallest split-KV partition the plans cut: whole pages, two at least (or 32 tokens).
+inline int64_t min_partition_tokens(int64_t block_size) {
+  const int64_t page = std::max<int64_t>(block_size, 1);
+  return std::max<int64_t>(page, (32 + page - 1) / page * page);
+}
+
 // A split row's partitions as one thread-block cluster (p.max_cluster_size > 1: sm_90 and later), which
 // merges their partials through distributed shared memory (decode.cuh push_partial) instead of
 // the reduce kernel's round trip through global memory: the tail of a call is one memory latency
@@ -231,11 +239,10 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
 // still take part in the merge. Not for windowed spans, which may need one partition more than
 // their length (partitions_for_span), nor where the bigger block would leave the fast loop.
 inline void plan_cluster_merge(const AttentionParams& p, const LaunchConfig& cfg, int64_t span, bool windowed,
-                               int64_t max_ctx, DecodePlan& pl) {
+                               DecodePlan& pl) {
   if (p.max_cluster_size < 2 || pl.k_chunks != 1 || windowed) return;
   const int64_t page = std::max<int64_t>(p.block_size, 1);
-  const int64_t min_part = std::max<int64_t>(page, (32 + page - 1) / page * page);
-  const int64_t most = std::min(span, max_ctx) / min_part;  // partitions of at least two pages
+  const int64_t most = span / min_partition_tokens(p.block_size);  // partitions of at least two pages
   int n = 1;
   while (2 * n <= std::min(p.max_cluster_size, kMaxClusterBlocks) && 2 * n <= most) n *= 2;
   if (n < 2) return;
@@ -250,7 +257,7 @@ inline void plan_cluster_merge(const AttentionParams& p, const LaunchConfig& cfg
   if (q.fast_path != pl.fast_path) return;
   const int64_t blocks = q.num_rows * q.sh.n_hchunks * q.grid_y;
   if (2 * blocks * n < std::max(p.num_sms, 1)) return;
-  const int64_t part = (std::min(span, max_ctx) + n - 1) / n;
+  const int64_t part = (span + n - 1) / n;  // span = the table's width: no window here
   q.partition_size = int((part + page - 1) / page * page);
   q.sh.cluster_blocks = n;
   q.sh.smem_bytes = int(decode_smem(q.sh, q.threads, q.tpt, q.heads_per_thread, int(p.value_head_size)));
@@ -306,7 +313,7 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
     // of it cuts each row's keys into as many partitions as make it up, down to two pages (or 32
     // tokens) each, in whole pages (rounded down, so the grid reaches the target).
     const int64_t page = std::max<int64_t>(p.block_size, 1);
-    const int64_t min_part = std::max<int64_t>(page, (32 + page - 1) / page * page);
+    const int64_t min_part = min_partition_tokens(p.block_size);
     const int64_t wave = sms * std::min(kDecodeFillBlocksPerSM, pl.blocks_per_sm);
     const int64_t parts_wanted = (wave + blocks - 1) / blocks;
     part = span / parts_wanted / page * page;
@@ -324,7 +331,7 @@ inline DecodePlan plan_decode(const AttentionParams& p, const LaunchConfig& tune
   pl.grid_z = pl.num_partitions;
   pl.workspace_floats =
       pl.split ? size_t(pl.num_rows) * p.num_heads * pl.num_partitions * (p.value_head_size + 2) : 0;
-  if (pl.split && !p.batch_invariant && cfg.partition_size == 0) plan_cluster_merge(p, cfg, span, windowed, max_ctx, pl);
+  if (pl.split && !p.batch_invariant && cfg.partition_size == 0) plan_cluster_merge(p, cfg, span, windowed, pl);
   return pl;
 }
 
