@@ -106,6 +106,7 @@ def test_kernels_on_misaligned_cache_views(op, dtype, cache_dtype):
     ("cp_async_size_2", "cp-size must be 4, 8 or 16"),
     ("cp_async_size_12", "cp-size must be 4, 8 or 16"),
     ("cp_async_cg_8", r"\.cg copies exactly 16 B"),
+    ("cp_async_zfill_past_cp_size", "src-size 20 > cp-size 16"),
 ])
 def test_cp_async_rules(case, message):
     with pytest.raises(RuntimeError, match=message):
@@ -144,6 +145,16 @@ def test_cp_async_committed_group_may_cross_a_barrier():
 def test_cp_async_wait_all_commits_first():
     out = selftest.strict("cp_async_wait_all")[: 4 * THREADS]
     assert torch.equal(out, SRC[: 4 * THREADS])
+
+
+def test_cp_async_src_size_zero_fills_the_rest():
+    # PTX's src-size: the first src-size bytes from the source, zeros after them (the pipelined
+    # prefill's padding rows and columns: prefill.cuh copy_row).
+    out = selftest.strict("cp_async_zfill")[: 4 * THREADS].view(THREADS, 4)
+    want = SRC[: 4 * THREADS].view(THREADS, 4).clone()
+    want[0::3] = 0
+    want[1::3, 2:] = 0
+    assert torch.equal(out, want)
 
 
 @pytest.mark.parametrize("case,message", [

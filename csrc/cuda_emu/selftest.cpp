@@ -276,6 +276,16 @@ __global__ void cp_async_kernel(const float* src, float* out, int mode, int byte
   for (int i = 0; i < 4; ++i) out[4 * t + i] = s[4 * u + i];
 }
 
+// cp.async with PTX's src-size (zero-fill): thread t copies 16 B of src row t with src-size
+// (t % 3) * 8 (0: all zeros, 8: half data, half zeros, 16: all data), or `fixed` for every thread.
+__global__ void cp_async_zfill_kernel(const float* src, float* out, int fixed) {
+  const int t = threadIdx.x;
+  float* s = ::cuda_emu::dynamic_smem<float>(size_t(4) * blockDim.x);
+  ::cuda_emu::cp_async(s + 4 * t, src + 4 * t, 16, true, fixed >= 0 ? fixed : (t % 3) * 8);
+  ::cuda_emu::cp_async_wait_all();
+  for (int i = 0; i < 4; ++i) out[4 * t + i] = s[4 * t + i];
+}
+
 // Every thread writes its value to shared memory; the LAST thread sums them. With `barrier` = 0
 // the __syncthreads between is missing: in program order (forward) the last thread runs after
 // everybody wrote and the bug is hidden; in reverse or random order it reads unwritten (NaN) slots.
@@ -407,6 +417,10 @@ at::Tensor strict(const std::string& what) {
   else if (what == "cp_async_barrier_uncommitted") cp(kCpBarrierUncommitted, 16, 0, 0, 1);
   else if (what == "cp_async_pipelined") cp(kCpPipelined, 16, 0, 0, 1);
   else if (what == "cp_async_wait_all") cp(kCpWaitAll, 16, 0, 0, 1);
+  else if (what == "cp_async_zfill")
+    cuda_emu::launch(cp_async_zfill_kernel, dim3(1), dim3(32), size_t(4) * 32 * 4, src, o, -1);
+  else if (what == "cp_async_zfill_past_cp_size")
+    cuda_emu::launch(cp_async_zfill_kernel, dim3(1), dim3(32), size_t(4) * 32 * 4, src, o, 20);
   // A missing __syncthreads (output: one sum per block).
   else if (what == "missing_barrier" || what == "with_barrier") {
     at::Tensor in = at::arange(128, at::kFloat).add_(1);

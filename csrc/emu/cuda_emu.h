@@ -1070,7 +1070,10 @@ inline To strict_reinterpret_cast(From&& v) {
 // wait_all of the issuing thread covers the copy's commit group. The emulator fills the
 // destination with 0xFF bytes (NaN) at issue and writes the data at that wait, so a read before
 // the wait (or by another thread before wait + barrier) sees NaN, not the data.
-inline void cp_async(void* dst, const void* src, int bytes, bool cg) {
+// src_bytes (PTX's optional src-size, -1: absent): only the first src_bytes (0 <= src_bytes <=
+// cp-size) come from src, the rest of the destination is zero-filled; src is still held to the
+// cp-size alignment (stricter than a GPU may be where nothing is read) and only src_bytes are read.
+inline void cp_async(void* dst, const void* src, int bytes, bool cg, int src_bytes = -1) {
   using namespace detail;
   const char* op = cg ? "cp.async.cg" : "cp.async.ca";
   Worker& w = worker();
@@ -1078,6 +1081,9 @@ inline void cp_async(void* dst, const void* src, int bytes, bool cg) {
   if (bytes != 4 && bytes != 8 && bytes != 16)
     fail(std::string(op) + " of " + std::to_string(bytes) + " B: cp-size must be 4, 8 or 16");
   if (cg && bytes != 16) fail("cp.async.cg of " + std::to_string(bytes) + " B: .cg copies exactly 16 B");
+  if (src_bytes < 0) src_bytes = bytes;
+  if (src_bytes > bytes)
+    fail(std::string(op) + " with src-size " + std::to_string(src_bytes) + " > cp-size " + std::to_string(bytes));
   check_aligned(src, size_t(bytes), size_t(bytes), (std::string(op) + " source").c_str());
   check_aligned(dst, size_t(bytes), size_t(bytes), (std::string(op) + " destination").c_str());
   Fiber& f = cur();
@@ -1085,7 +1091,8 @@ inline void cp_async(void* dst, const void* src, int bytes, bool cg) {
   c.dst = static_cast<char*>(dst);
   c.bytes = bytes;
   c.group = f.committed;
-  std::memcpy(c.data, src, size_t(bytes));
+  std::memset(c.data, 0, sizeof(c.data));
+  std::memcpy(c.data, src, size_t(src_bytes));
   f.copies.push_back(c);
   std::memset(dst, 0xff, size_t(bytes));
 }
