@@ -172,6 +172,32 @@ def test_lse_is_optional(target, config):
     assert torch.equal(out.view(torch.int16), out_with.view(torch.int16))
 
 
+# ---- scales of either sign, zero and NaN -----------------------------------------------------------
+# The plain tensor-core kernel applies the scale c in the softmax's exponent (exp2(s c - m c) by one
+# fma), which takes the max of the raw q . k: right for c > 0 only, so it moves any other c into Q
+# (prefill.cuh q_mul / exp_mul). Rows late in a 200-token sequence give interior KV tiles (no mask) as
+# well as edge ones; one query element is infinite, so its (row, head) is NaN in the reference (an
+# infinite q . k times the scale, or times 0) and must be NaN here, every other row finite.
+@pytest.mark.parametrize("scale", [-0.3, 0.0, -0.0, math.nan])
+@pytest.mark.parametrize("config", [TC, CUDA_CORES])
+@pytest.mark.parametrize("variant", ["plain", "window", "alibi"])
+def test_scale_of_any_sign(target, scale, config, variant):
+    seed = 60 + len(variant) + (config == TC)
+    case = make_case(SEQ_LENS + [200], q_lens=Q_LENS + [10], num_heads=4, num_kv_heads=2, head_size=64,
+                     block_size=16, dtype=torch.bfloat16, seed=seed)
+    case.scale = scale
+    case.query[40, 1, 5] = math.inf  # sequence 2's row 6, head 1
+    kw = VARIANTS[variant](4, seed)
+    out, lse = run(case, config, True, target, **kw)
+    ref_out, ref_lse = reference_of(case, **kw)
+    nan_rows = ref_out.isnan().any(-1)
+    assert nan_rows[40, 1] and (nan_rows.all() if math.isnan(scale) else nan_rows.sum() == 1)
+    assert torch.equal(out.isnan().any(-1), nan_rows), "NaN rows differ from the reference's"
+    if not math.isnan(scale):  # (the NaN row's lse: NaN here, the reference's logsumexp may give +inf)
+        assert_close(out[~nan_rows], ref_out[~nan_rows], case.dtype)
+        assert_lse_close(lse[~nan_rows], ref_lse[~nan_rows])
+
+
 # ---- rows with no finite score: 0 / -inf, or the sink's 0 / sinks[h] ------------------------------
 @pytest.mark.parametrize("config", [TC, CUDA_CORES])
 @pytest.mark.parametrize("with_sinks", [False, True])

@@ -473,6 +473,23 @@ __device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes
   else *static_cast<uint8_t*>(dst) = *static_cast<const uint8_t*>(src);
 #endif
 }
+// copy_async_16(dst, src, src_bytes): a 16-byte cp.async.cg of which the first src_bytes (0 or 16
+// here) come from src and the rest are zeros (PTX's src-size: zero-fill), so a copy loop writes a
+// padding chunk with the instruction that copies a data chunk. Both addresses 16-byte aligned (src
+// too when nothing is read: pass any aligned address of the source).
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src, int src_bytes) {
+#ifdef PAGED_EMU
+  ::cuda_emu::note_load(src, src_bytes);
+  ::cuda_emu::cp_async(dst, src, 16, /*cg=*/true, src_bytes);
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(src_bytes) : "memory");
+#else
+  uint4 v = make_uint4(0u, 0u, 0u, 0u);
+  if (src_bytes) v = *static_cast<const uint4*>(src);
+  *static_cast<uint4*>(dst) = v;
+#endif
+}
 // Closes the calling thread's current group of copy_async copies.
 __device__ __forceinline__ void cp_async_commit() {
 #ifdef PAGED_EMU

@@ -58,18 +58,14 @@ namespace prefill {
 // Soft-cap and ALiBi on one visible score, in the kernels' log2 domain. The kernels multiply q.k by
 // qk_mul (the scale, times log2 e unless capped, since the cap applies to the natural-log score);
 // then s = softcap * tanh(s / softcap) becomes cap_log2 * tanh(s * inv_cap), and the bias
-// slope * (j - pos) is added as slope_log2 * (j - pos) (slope_log2 = 0 without alibi_slopes).
-// kFastTanh: tanh_fast (the pipelined tensor-core kernel) instead of tanhf.
+// slope * (j - pos) is added as slope_log2 * (j - pos) (slope_log2 = 0 without alibi_slopes). The
+// pipelined tensor-core kernel applies the same per tile, by tanh_fast (its own code, below).
 struct ScoreMod {
   float qk_mul, cap_log2, inv_cap;
 
-  template <bool kFastTanh = false>
-  __device__ __forceinline__ float apply(float s, float slope_log2, int distance) const {
-    if (cap_log2 > 0.f) s = cap_log2 * (kFastTanh ? tanh_fast(s * inv_cap) : tanhf(s * inv_cap));
-    return s + slope_log2 * float(distance);
-  }
   __device__ __forceinline__ float operator()(float s, float slope_log2, int distance) const {
-    return apply(s, slope_log2, distance);
+    if (cap_log2 > 0.f) s = cap_log2 * tanhf(s * inv_cap);
+    return s + slope_log2 * float(distance);
   }
 };
 
@@ -348,15 +344,17 @@ __device__ __forceinline__ void lane_rows(const AttentionParams& p, int r0, int 
 // 0 rather than -inf (-inf - -inf would be NaN); NaN stays NaN.
 // kQuadSums: l holds the rows' sums (each lane of the quad the same); else each lane's own share of
 // them, summed across the quad once, at the end (FlashAttention-2's deferred row sum: two shuffles
-// per row and tile fewer).
+// per row and tile fewer). mul: a scale still to apply to s (> 0: the pipelined kernel's exp_mul,
+// s its raw q . k), in the exponent, exp2(s mul - m) by one fma; m and alpha are in the scaled domain.
 template <int NT_S, bool kQuadSums = true>
 __device__ __forceinline__ void update_row_states(float (&s)[NT_S][4], float (&mx)[2], float (&m)[2],
-                                                  float (&l)[2], float (&alpha)[2]) {
+                                                  float (&l)[2], float (&alpha)[2], float mul = 1.f) {
   float rs[2] = {0.f, 0.f}, base[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 1));
     mx[h] = fmaxf(mx[h], __shfl_xor_sync(kFullMask, mx[h], 2));
+    mx[h] = mx[h] * mul;
     const float mn = fmaxf(m[h], mx[h]);
     base[h] = mn == -INFINITY ? 0.f : mn;
     alpha[h] = exp2_approx(m[h] - base[h]);  // 0 while m = -inf: o and l are 0 then (or NaN, which stays)
@@ -366,7 +364,7 @@ __device__ __forceinline__ void update_row_states(float (&s)[NT_S][4], float (&m
   for (int nt = 0; nt < NT_S; ++nt) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const float pr = exp2_approx(s[nt][i] - base[i / 2]);
+      const float pr = exp2_approx(fmaf(s[nt][i], mul, -base[i / 2]));
       s[nt][i] = pr;
       rs[i / 2] += pr;
     }
@@ -740,22 +738,25 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
 // 256) and KV tiles of 64 keys (32 at value tile 256: plan.h tc_pipelined_kv_tile):
 //  * Q, K and V tiles go by 16-byte cp.async straight from the query and the paged cache into shared
 //    memory, FlashAttention-2's schedule with one buffer each: V of tile i loads while Q K^T of tile
-//    i runs, K of tile i + 1 while P V of tile i (two commit groups per tile, copy loops rolled:
-//    cp.async holds no register in flight);
+//    i runs, K of tile i + 1 while P V of tile i (two commit groups per tile). A cache of the
+//    query's dtype by copy_row: each thread one row of the tile (one block-table entry a tile, not
+//    one a chunk), its chunks by unrolled cp.async at constant offsets, padding by src-size 0;
 //  * shared-memory rows of DK (Q, K) or DV (V) elements, 16-byte chunk c of row r stored at chunk
 //    c ^ (r % 8) (swizzled_offset; DK, DV multiples of 64, so a row's chunks stay in it and every
 //    row starts on bank group 0): the 8 rows of every 8x8 matrix ldmatrix reads are 8 consecutive
 //    rows of one logical chunk, so they fall in 8 distinct bank groups (conflict-free by
 //    construction, counted by the emulator: tests/test_emu_ldmatrix.py), and so do the 16-byte
-//    cp.async writes of 8 lanes;
+//    cp.async writes of 8 lanes; each lane's ldmatrix rows are four pointers (LdmatrixRows) plus
+//    compile-time offsets;
 //  * fragments by ldmatrix: Q's (A) once per row tile, kept in registers for the whole KV loop where
 //    they are few (MT x DK <= 128), else re-read per k-step; K's non-transposed (Q K^T's B), V's by
 //    .trans (P V's B), each fragment feeding the warp's MT row fragments; P stays in registers (the
 //    scores' C layout is P V's A layout), 16-bit once the softmax is done;
 //  * the tile's compute compiled twice (tile_step): edge tiles (a key hidden from some row of the
 //    tile: the causal diagonal, window edges, the sequence's end) with the mask and the non-finite
-//    V hold-back, interior tiles with neither; softmax by ex2.approx, row sums summed across the
-//    quad once at the end; the soft-cap and ALiBi only in the kScoreMods instances.
+//    V hold-back, interior tiles with neither; softmax by ex2.approx, the scale in its exponent
+//    (exp_mul), row sums summed across the quad once at the end; the soft-cap and ALiBi only in the
+//    kScoreMods instances.
 // An fp8 cache (heads multiples of 16) is copied the same way into fp8 staging tiles, K and V of tile
 // i + 1 both during tile i; at the top of tile i + 1 each thread widens the chunks it copied into the
 // 16-bit tiles (exact), and the rest is the 16-bit kernel's (the scales: k_scale on the scores,
@@ -785,6 +786,25 @@ template <int DMAX>
 __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
   return row * DMAX + ((chunk ^ (row & 7)) << 3);
 }
+
+// A lane's ldmatrix row pointers into a swizzled tile of DIM-element rows, computed once: chunk
+// 8a + b (b < 8) of row r lies at chunk 8a + (b ^ r % 8), so for rows r + 8k (the same r % 8) the
+// chunks 2 i + c (i = 0..3, c the lane's matrix column) of the four pointers serve every chunk pair:
+// pair i + 4a is pointer i shifted by 8a chunks, and rows 8k down by 8k rows, both compile-time
+// offsets of the ldmatrix address.
+template <typename T, int DIM>
+struct LdmatrixRows {
+  const T* at[4];
+  __device__ __forceinline__ LdmatrixRows(const T* tile, int row, int c) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) at[i] = tile + row * DIM + (((2 * i + c) ^ (row & 7)) << 3);
+  }
+  // The lane's row of the 8x8 matrices of chunk pair `pair` (chunks 2 pair, 2 pair + 1), `down` rows
+  // (a multiple of 8) below the pointers' row.
+  __device__ __forceinline__ const T* operator()(int down, int pair) const {
+    return at[pair % 4] + down * DIM + (pair / 4) * 64;
+  }
+};
 
 // The (row, chunk) a thread copies in pass `pass` over a tile of rows of kChunks 16-byte chunks:
 // where the block's threads cover whole rows (kChunks divides kTcThreads: heads 64, 128, 256) a
@@ -871,12 +891,33 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   const VTileGrid vtile_grid;
   // ldmatrix: lane l gives a row of matrix l / 8 (mma.cuh's ldmatrix).
   const int ld_mat = lane / 8, ld_row = lane % 8;
+  // copy_row's thread: row copy_row_j of a K / V tile, chunks copy_row_first + kCopyThreadsPerRow k;
+  // chunk c lies at (c ^ j % 8) * 8 elements, which takes kCopySwz values over the first 8 chunks
+  // and repeats them 8 chunks (64 elements) further on.
+  constexpr int kCopyThreadsPerRow = kTcThreads / BN, kCopySwz = 8 / kCopyThreadsPerRow;
+  static_assert(kTcThreads % BN == 0 && (DV / 8) % kCopyThreadsPerRow == 0 && kCopyThreadsPerRow <= 8, "copy rows");
+  const int copy_row_j = int(threadIdx.x) / kCopyThreadsPerRow, copy_row_first = int(threadIdx.x) % kCopyThreadsPerRow;
+  int copy_row_swz[kCopySwz];
+#pragma unroll
+  for (int k = 0; k < kCopySwz; ++k) copy_row_swz[k] = ((copy_row_first + kCopyThreadsPerRow * k) ^ (copy_row_j & 7)) << 3;
+  const LdmatrixRows<T, DK> k_rows(Kt, ld_row + 8 * (ld_mat / 2), ld_mat % 2);
+  const LdmatrixRows<T, DV> v_rows(Vt, ld_row + 8 * (ld_mat % 2), ld_mat / 2);
   const ScoreMod mod =
       score_mod(p, p.scale * cache_scale(p.k_scale, p.k_scale_seq_stride, p.k_scale_head_stride, seq, kvh));
   const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
   const uint4 zeros = make_uint4(0u, 0u, 0u, 0u);
   const FastDivmod by_block(K.block_size), by_group(group);
+  // A kScoreMods kernel's soft-cap: cap_log2 tanh(q . k tanh_mul), one multiply into the tanh.
+  const bool capped = mod.cap_log2 > 0.f;
+  const float tanh_mul = mod.qk_mul * mod.inv_cap;
+  // The plain kernel takes the scores' max on q . k and applies the scale c in the exponent,
+  // exp2(s c - m c) by one fma (FlashAttention-2's), which is right for c > 0 only (the max of c s
+  // is c max s): any other c is moved into Q once per row tile (q_mul), exactly: c < 0 negates Q
+  // and the exponent takes -c; c = 0 or NaN multiplies Q by c and the exponent takes 1.
+  const float c = mod.qk_mul;
+  const float q_mul = kScoreMods || c > 0.f ? 1.f : (c < 0.f ? -1.f : c);
+  const float exp_mul = kScoreMods ? 1.f : (c > 0.f ? c : (c < 0.f ? -c : 1.f));
 
   for (int64_t row0 = slot * BM; row0 < total_rows; row0 += row_tiles * BM) {  // block-uniform
     const int nrows = int(min(int64_t(BM), total_rows - row0));
@@ -891,11 +932,12 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     // kv_end (never read from the cache: they may hold NaN or lie past the table) and the chunks
     // past the head's data are zeros, so the mma's 0 * v stays 0. FlashAttention-2's schedule, one
     // buffer each: V of tile i loads while Q K^T of tile i runs, K of tile i + 1 while P V of tile i.
-    // An fp8 cache's K and V of tile i + 1 both load into the staging tiles during tile i.
-    // Row by row (V's block-table entries read again, from L1). DIM: the tile's row width
-    // (elements), for the swizzled 16-bit tile's offsets or the staging tile's rows of DIM bytes.
-    auto copy_rows = [&](const auto& grid, const PagedKV<KV>& cache, auto dim, T* tile, unsigned char* staged,
-                         int data, int kv0) {
+    // An fp8 cache's K and V of tile i + 1 both load into the staging tiles during tile i, by
+    // copy_rows: chunk by chunk over the tile (the grid's order: each pass a warp writes whole
+    // unswizzled staging rows, all bank groups; V's block-table entries read again, from L1). DIM:
+    // the staging tile's row width, DIM bytes.
+    auto copy_rows = [&](const auto& grid, const PagedKV<KV>& cache, auto dim, unsigned char* staged, int data,
+                         int kv0) {
         using Grid = std::decay_t<decltype(grid)>;
         constexpr int kPasses = Grid::template passes<BN>(), DIM = decltype(dim)::value;
         // Not unrolled: cp.async holds no register while in flight, so a rolled loop keeps every
@@ -903,8 +945,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll 1
         for (int pass = 0; pass < kPasses; ++pass) {
           const int j = grid.row(pass), c = grid.chunk(pass), tok = kv0 + j;
-          void* dst = kStaged ? static_cast<void*>(staged + j * DIM + 16 * c)
-                              : static_cast<void*>(tile + swizzled_offset<DIM>(j, c));
+          void* dst = staged + j * DIM + 16 * c;
           if (tok < kv_end && c < data) {
             const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
             copy_async(dst, cache.base + cache.block_table[in_table] * cache.stride_block + off * cache.stride_token +
@@ -916,11 +957,37 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         }
         cp_async_commit();
     };
+    // A cache of the query's dtype, copy_row: thread t copies row copy_row_j = t / kCopyThreadsPerRow
+    // of the tile, its chunks t % kCopyThreadsPerRow + kCopyThreadsPerRow k: one block-table entry per
+    // thread and tile (one dependent load, not one a chunk), a warp's pass reads whole 32-byte sectors
+    // of its rows, and the swizzle spreads the pass's shared-memory writes over all 8 bank groups, 4
+    // chunks each (the fewest wavefronts 512 bytes take). Unrolled: the chunks' addresses are the
+    // row's plus constants; padding (rows at or past kv_end, chunks past the head) by src-size 0, from
+    // an aligned address that is not read.
+    auto copy_row = [&](const PagedKV<KV>& cache, auto dim, T* tile, int data, int kv0) {
+      constexpr int DIM = decltype(dim)::value, kChunks = DIM / 8;
+      const int tok = kv0 + copy_row_j;
+      const bool in_range = tok < kv_end;
+      const KV* src = cache.base + copy_row_first * 8;
+      if (in_range) {
+        const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
+        src += cache.block_table[in_table] * cache.stride_block + off * cache.stride_token;
+      }
+#pragma unroll
+      for (int k = 0; k < kChunks / kCopyThreadsPerRow; ++k) {
+        const int c = copy_row_first + kCopyThreadsPerRow * k;
+        T* const dst = tile + copy_row_j * DIM + copy_row_swz[k % kCopySwz] + (k / kCopySwz) * 64;
+        copy_async_16(dst, src + 8 * kCopyThreadsPerRow * k, in_range && c < data ? 16 : 0);
+      }
+      cp_async_commit();
+    };
     auto stage_k = [&](int kv0) {
-      copy_rows(kgrid, K, std::integral_constant<int, DK>{}, Kt, k_staged, k_copy_chunks, kv0);
+      if constexpr (kStaged) copy_rows(kgrid, K, std::integral_constant<int, DK>{}, k_staged, k_copy_chunks, kv0);
+      else copy_row(K, std::integral_constant<int, DK>{}, Kt, k_copy_chunks, kv0);
     };
     auto stage_v = [&](int kv0) {
-      copy_rows(vgrid, V, std::integral_constant<int, DV>{}, Vt, v_staged, v_copy_chunks, kv0);
+      if constexpr (kStaged) copy_rows(vgrid, V, std::integral_constant<int, DV>{}, v_staged, v_copy_chunks, kv0);
+      else copy_row(V, std::integral_constant<int, DV>{}, Vt, v_copy_chunks, kv0);
     };
     // widen_rows (fp8 caches): the staged chunks this thread copied (its own cp.async data: visible
     // to it after its wait, no barrier needed) into the 16-bit tile, 16 values into two swizzled chunks.
@@ -969,12 +1036,25 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     }
     cp_async_commit();
     cp_async_wait<0>();
+    if constexpr (!kScoreMods) {
+      // A scale that is not positive moves into Q (exp_mul's comment), each thread over the chunks
+      // it copied (its own cp.async data, visible to it after the wait): c < 0 negates Q, c = 0 or
+      // NaN multiplies it by c (0, or NaN where q is not finite, as (q . k) c would be).
+      if (q_mul != 1.f) {  // block-uniform
+#pragma unroll 1
+        for (int pass = 0; pass < kQPasses; ++pass) {
+          T* at = sm + swizzled_offset<DK>(qgrid.row(pass), qgrid.chunk(pass));
+#pragma unroll
+          for (int i = 0; i < 8; ++i) at[i] = T(float(at[i]) * q_mul);
+        }
+      }
+    }
     __syncthreads();  // Q visible to every warp
 
     // Q's A fragments: matrix l / 8 of a 16x16 step = (rows 0-7 | 8-15) x (columns 0-7 | 8-15).
+    const LdmatrixRows<T, DK> q_rows(sm, warp_row0 + ld_row + 8 * (ld_mat % 2), ld_mat / 2);
     auto load_q_frag = [&](uint32_t (&a)[4], int mt, int ks) {
-      ldmatrix<4, false>(a, sm + swizzled_offset<DK>(warp_row0 + mt * 16 + ld_row + 8 * (ld_mat % 2),
-                                                      2 * ks + ld_mat / 2));
+      ldmatrix<4, false>(a, q_rows(mt * 16, ks));
     };
     uint32_t qf[kQInRegisters ? MT : 1][kQInRegisters ? KS_MAX : 1][4];
     if constexpr (kQInRegisters) {
@@ -1060,7 +1140,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll
           for (int np = 0; np < NT_S / 2; ++np) {
             uint32_t b[4];
-            ldmatrix<4, false>(b, Kt + swizzled_offset<DK>(np * 16 + ld_row + 8 * (ld_mat / 2), 2 * ks + ld_mat % 2));
+            ldmatrix<4, false>(b, k_rows(np * 16, ks));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
@@ -1072,25 +1152,41 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
           }
         }
 
-        // update_softmax: the scale (and the score modifiers of a kScoreMods kernel), then the mask,
-        // only on a tile holding a key hidden from some row of the tile: a score whose key the row
-        // does not see becomes -inf, whatever its q . k (a hidden key's K may hold NaN).
+        // update_softmax: the score modifiers of a kScoreMods kernel (the plain kernel's scale goes
+        // into the exponent: update_row_states' mul), then the mask, only on a tile holding a key
+        // hidden from some row of the tile: a score whose key the row does not see becomes -inf,
+        // whatever its q . k (a hidden key's K may hold NaN).
         const int lane_key0 = kv0 + 2 * t;  // the lane's key of column 0 of n-tile 0
         float mx[MT][2];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mx[mt][0] = mx[mt][1] = -INFINITY;
 #pragma unroll
-          for (int nt = 0; nt < NT_S; ++nt)
+          if constexpr (kScoreMods) {
+            // The soft-cap (block-uniform: one branch a tile) by one multiply into tanh, then the ALiBi
+            // bias slope (key - pos) as the bias of the lane's key 0 plus slope times the key's
+            // compile-time column.
+            if (capped) {
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int h = i / 2;
-              if constexpr (kScoreMods)
-                s[mt][nt][i] = mod.apply<true>(s[mt][nt][i] * mod.qk_mul, slope[kScoreMods ? mt : 0][h],
-                                   lane_key0 + nt * 8 + i % 2 - pos[kScoreMods ? mt : 0][h]);
-              else
-                s[mt][nt][i] *= mod.qk_mul;
+              for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[mt][nt][i] = mod.cap_log2 * tanh_fast(s[mt][nt][i] * tanh_mul);
+            } else {
+#pragma unroll
+              for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[mt][nt][i] *= mod.qk_mul;
             }
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float sl = slope[kScoreMods ? mt : 0][h];
+              const float bias0 = sl * float(lane_key0 - pos[kScoreMods ? mt : 0][h]);
+#pragma unroll
+              for (int nt = 0; nt < NT_S; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) s[mt][nt][2 * h + e] += fmaf(sl, float(nt * 8 + e), bias0);
+            }
+          }
           if constexpr (kEdge) {
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -1110,15 +1206,15 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
             for (int i = 0; i < 4; ++i) mx[mt][i / 2] = fmaxf(mx[mt][i / 2], s[mt][nt][i]);
         }
         float alpha[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) update_row_states<NT_S, false>(s[mt], mx[mt], m[mt], l[mt], alpha[mt]);
         // P as P V's A fragments (mma.cuh: two score n-tiles' C layout is one k-step's A layout), 16-bit
         // from here on: half the registers of the float scores while P V runs.
         uint32_t pa[MT][BN / 16][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt) {
+          update_row_states<NT_S, false>(s[mt], mx[mt], m[mt], l[mt], alpha[mt], exp_mul);
 #pragma unroll
           for (int kk = 0; kk < BN / 16; ++kk) p_frag<T>(pa[mt][kk], s[mt], kk);
+        }
 
         if constexpr (!kStaged) {
           // This tile's V group, the only one in flight.
@@ -1163,7 +1259,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll
           for (int np = 0; np < NT_O / 2; ++np) {
             uint32_t b[4];
-            ldmatrix<4, true>(b, Vt + swizzled_offset<DV>(kk * 16 + ld_row + 8 * (ld_mat % 2), 2 * np + ld_mat / 2));
+            ldmatrix<4, true>(b, v_rows(kk * 16, np));
             const uint32_t b0[2] = {b[0], b[1]}, b1[2] = {b[2], b[3]};
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
