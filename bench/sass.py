@@ -49,6 +49,10 @@ The model (everything below is static; each number is an estimate of a ceiling, 
   shared-memory and tensor-core throughput; the loop body is walked in address order (both sides of
   a branch inside it counted). sm_80 figures use A100-SXM4-80GB (108 SMs, 1.41 GHz, 2.039 TB/s)
   with the same assumed latency.
+- Tile path (the pipelined prefill, TILE_PATH_FAMILIES): the instructions an interior tile issues per
+  warp, the loop's head, the fall-through of its edge / interior branch and the latch (tile_path); a
+  nested loop on it ("tile path loops": the fp8 staging copies) is counted once, so there it is a
+  lower bound. The static loop counts take the edge body and the cold add-back as if they ran.
 """
 from __future__ import annotations
 
@@ -297,20 +301,23 @@ def parse_res_usage(text: str, arch: str) -> dict[tuple[str, str], dict]:
 # One instruction: its line (offset, predicate, opcode, operands; the low 64 bits) and the next line
 # (the high 64 bits, whose bits 41.. are the control word: stall 4, yield 1, write scoreboard 3,
 # read scoreboard 3, wait mask 6 -- the layout the Volta+ assemblers (maxas / CuAssembler) document).
-_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);[^\n]*\n"
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);[^\n]*\n"
                     r"(?:\s*/\* 0x([0-9a-f]{16}) \*/)?")
 
 
 def parse_sass(text: str, arch: str) -> dict[tuple[str, str], list[tuple]]:
-    """{(arch, mangled): [(offset, opcode, operands, write scoreboard, wait mask)]} from
-    `cuobjdump --dump-sass -arch <arch>`; scoreboard 7 = none (also when the control word is absent)."""
+    """{(arch, mangled): [(offset, opcode, operands, write scoreboard, wait mask, predicated)]} from
+    `cuobjdump --dump-sass -arch <arch>`; scoreboard 7 = none (also when the control word is absent);
+    predicated: the instruction carries a guard predicate (@P0, @!UP1, ...; @PT counts as none)."""
     out = {}
     for chunk in text.split("Function : ")[1:]:
         name, _, body = chunk.partition("\n")
         instrs = []
         for m in _INSTR.finditer(body):
-            ctl = int(m.group(4), 16) >> 41 if m.group(4) else 7 << 5
-            instrs.append((int(m.group(1), 16), m.group(2), m.group(3).strip(), (ctl >> 5) & 7, (ctl >> 11) & 0x3F))
+            ctl = int(m.group(5), 16) >> 41 if m.group(5) else 7 << 5
+            guard = (m.group(2) or "").strip()
+            instrs.append((int(m.group(1), 16), m.group(3), m.group(4).strip(), (ctl >> 5) & 7, (ctl >> 11) & 0x3F,
+                           guard not in ("", "@PT")))
         out[(arch, name.strip())] = instrs
     return out
 
@@ -426,6 +433,38 @@ def main_loop(instrs) -> dict | None:
                 instructions_per_byte=len(body) / nbytes, mix=mix(body))
 
 
+# Kernels whose KV loop compiles a tile's work twice, an edge body and an interior one chosen per tile
+# by a block-uniform branch (prefill.cuh tile_step): their tile path is reported.
+TILE_PATH_FAMILIES = ("prefill_tc_pipelined_kernel",)
+
+
+def tile_path(instrs, loop: dict) -> dict | None:
+    """The instructions an interior tile issues per warp in the main loop, where the static loop
+    count takes every body once (the edge body, the cold add-back) and a nested loop once whatever its
+    trip count. The split is the loop's first predicated forward branch whose target follows an
+    unpredicated forward jump (the interior body's end, jumping over the edge body to the latch): the
+    path is the loop up to that branch, its fall-through up to the jump, and the latch from the jump's
+    target to the back-edge; every branch inside taken as falling through, both sides counted.
+    nested_loops: backward branches left on the path (their bodies counted once); None: no split."""
+    start, end = int(loop["start"], 16), int(loop["end"], 16)
+    index = {ins[0]: k for k, ins in enumerate(instrs)}
+    for k in range(index[start], index[end] + 1):
+        ins, t = instrs[k], _target(instrs[k])
+        if not (ins[1] == "BRA" and ins[5] and t is not None and ins[0] < t <= end and t in index):
+            continue
+        jump = instrs[index[t] - 1]
+        x = _target(jump)
+        if jump[1] == "BRA" and not jump[5] and x is not None and t < x <= end and x in index:
+            path = instrs[index[start] : index[t]] + instrs[index[x] : index[end] + 1]
+            m = mix(path)
+            on_path = {i[0] for i in path}
+            nested = sum(1 for i in path[:-1] if (b := _target(i)) is not None and b < i[0] and b in on_path)
+            return dict(instructions=len(path), hmma=m.get("HMMA", 0) + m.get("HGMMA", 0),
+                        hmma_share=(m.get("HMMA", 0) + m.get("HGMMA", 0)) / len(path), nested_loops=nested,
+                        local=m.get("LDL/STL", 0), mix=m)
+    return None
+
+
 # ---- occupancy and ceilings --------------------------------------------------------------------
 def occupancy(dev: Device, regs: int, threads: int, static_smem: int, dynamic_smem: int) -> dict:
     """Resident blocks / warps per SM and the limiting resource (CUDA occupancy calculator rules)."""
@@ -480,6 +519,8 @@ def kernel_rows(path: str, archs: list[str], latency_ns: float = DEFAULT_LATENCY
                        **occupancy(dev, usage["regs"], threads, usage["shared"], dyn_smem))
         if any(a in family for a in ATTENTION) and (loop := main_loop(instrs)):
             row["loop"] = loop
+            if family in TILE_PATH_FAMILIES and (tp := tile_path(instrs, loop)):
+                loop["tile_path"] = tp
             if "warps" in row:
                 row["loop"].update(ceilings(dev, loop, row["warps"], latency_ns))
         rows.append(row)
@@ -552,7 +593,8 @@ def markdown(rows: list[dict], full: bool = False) -> str:
         label = r["family"] + (f" ({r['path']})" if r.get("path") and not full else "")
         groups.setdefault((r["arch"], label) + ((tuple(r["args"]),) if full else ()), []).append(r)
     head = ["arch", "kernel", "n", "regs", "stack", "local", "smem (st+dyn)", "threads", "occupancy",
-            "HMMA %", *MIX_COLUMNS, "loop instr", "loop HMMA", "loop B/warp", "instr/B", "in flight B/warp",
+            "HMMA %", *MIX_COLUMNS, "loop instr", "loop HMMA", "tile path instr", "tile path HMMA %", "tile path loops",
+            "loop B/warp", "instr/B", "in flight B/warp",
             "rounds", "issue ceiling", "Little ceiling", "chain ceiling", "bound"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key, rs in groups.items():
@@ -565,6 +607,9 @@ def markdown(rows: list[dict], full: bool = False) -> str:
                  *[_rng([r["mix"].get(c, 0) for r in rs]) for c in MIX_COLUMNS],
                  _rng([lp["instructions"] for lp in loops_]),
                  _rng([lp["mix"].get("HMMA", 0) + lp["mix"].get("HGMMA", 0) for lp in loops_]),
+                 _rng([lp["tile_path"]["instructions"] for lp in loops_ if "tile_path" in lp]),
+                 _rng([100 * lp["tile_path"]["hmma_share"] for lp in loops_ if "tile_path" in lp], "{:.1f}"),
+                 _rng([lp["tile_path"]["nested_loops"] for lp in loops_ if "tile_path" in lp]),
                  _rng([lp["bytes_per_warp"] for lp in loops_]),
                  _rng([lp["instructions_per_byte"] for lp in loops_], "{:.3f}"),
                  _rng([lp["in_flight_bytes_per_warp"] for lp in loops_], "{:.0f}"),

@@ -145,6 +145,28 @@ def test_report_covers_the_archs_and_every_launch(rows):
             assert "loop" in r, f"no KV loop found in {r['arch']} {r['name']}"
 
 
+# The pipelined prefill's interior tile per warp (bench/sass.py tile_path: the loop's head, the interior
+# body, the latch; the edge body and the cold add-back off it), the tensor-core share of what it issues,
+# by value tile. Over 16-bit caches, sm_80 and sm_90: plain 17.0-17.1% at 64 (747-753 instructions),
+# 24.4-27.6% at 128 (1047-1163; 12.8% before copy_row, by the same count with its rolled copy loops
+# counted per pass), 19.2-19.4% at 256; score mods 7.3-7.4%, 12.6-15.0%, 13.9-14.2%. No nested loop on
+# the path (the fp8 kernels' staging copies and widening are loops there: their count is a lower bound,
+# not held here).
+TILE_PATH_HMMA = {"plain": {64: 0.16, 128: 0.22, 256: 0.18}, "score mods": {64: 0.07, 128: 0.12, 256: 0.13}}
+
+
+def test_prefill_tile_path(rows):
+    held = [r for r in rows if r["family"] == "prefill_tc_pipelined_kernel" and r["path"] in TILE_PATH_HMMA]
+    assert held, "no pipelined prefill kernel over a 16-bit cache in the build"
+    bad = []
+    for r in held:
+        tp = r["loop"].get("tile_path")
+        floor = TILE_PATH_HMMA[r["path"]][int(r["args"][3])]
+        if tp is None or tp["nested_loops"] or tp["hmma_share"] < floor:
+            bad.append(f"{r['arch']} {r['name']}: tile path {tp and {k: tp[k] for k in ('instructions', 'hmma_share', 'nested_loops')}}, HMMA floor {floor}")
+    assert not bad, "\n".join(bad)
+
+
 def test_no_spills(rows):
     over = [f"{r['arch']} {r['name']}: stack {r['stack']} B, local {r['local']} B" for r in rows
             if r["stack"] + r["local"] > _limit(_limits(_family(r)), "max_spill_bytes", r, 0)]
@@ -302,7 +324,8 @@ def _cuobjdump_text(instrs) -> str:
 def test_parse_mix_and_loop():
     instrs = sass.counted(sass.parse_sass(_cuobjdump_text(LOOP_SASS), "sm_90")[("sm_90", "_Z4loopv")])
     assert len(instrs) == 9  # NOP and the trailing self-branch dropped
-    assert instrs[1][3:] == (0, 0) and instrs[6][3:] == (7, 0b11)  # scoreboards read back
+    assert instrs[1][3:5] == (0, 0) and instrs[6][3:5] == (7, 0b11)  # scoreboards read back
+    assert [i[5] for i in instrs[:3]] == [False, True, False] and instrs[7][5]  # guard predicates
     mix = sass.mix(instrs)
     assert (mix["LDG"], mix["LDGSTS"], mix["HMMA"], mix["BRANCH"], mix["total"]) == (2, 1, 1, 2, 9)
     loop = sass.main_loop(instrs)
@@ -312,6 +335,33 @@ def test_parse_mix_and_loop():
     # HMMA waits for both LDG scoreboards, so they never add up across iterations
     assert loop["in_flight_bytes_per_warp"] == 512 + 2 * 512
     assert loop["dependent_load_rounds"] == 1  # both LDGs issued before the one wait
+
+
+def test_tile_path():
+    """An edge / interior split in the loop: the interior tile falls through and jumps over the edge body
+    to the latch; the cold code after the edge body is off the path too."""
+    split = [
+        (0x00, "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]", 7, 0),  # loop head
+        (0x10, "@P0 BRA 0x60", 7, 0),  # edge tile: jump to the edge body
+        (0x20, "HMMA.16816.F32.BF16 R8, R12, R14, R8", 7, 0),  # interior body
+        (0x30, "@P1 BRA 0x40", 7, 0),  # a branch inside the interior body: both sides counted
+        (0x40, "HMMA.16816.F32.BF16 R8, R12, R14, R8", 7, 0),
+        (0x50, "BRA 0xa0", 7, 0),  # interior done: over the edge body to the latch
+        (0x60, "FSEL R8, R8, -INF, P2", 7, 0),  # edge body
+        (0x70, "HMMA.16816.F32.BF16 R8, R12, R14, R8", 7, 0),
+        (0x80, "@!P3 BRA 0xa0", 7, 0),
+        (0x90, "FFMA R8, R9, R10, R8", 7, 0),  # cold add-back
+        (0xA0, "IADD3 R2, R2, 0x40, RZ", 7, 0),  # latch
+        (0xB0, "@P4 BRA 0x0", 7, 0),
+        (0xC0, "EXIT", 7, 0),
+    ]
+    instrs = sass.counted(sass.parse_sass(_cuobjdump_text(split), "sm_90")[("sm_90", "_Z4loopv")])
+    loop = sass.main_loop(instrs)
+    assert loop["instructions"] == 12
+    path = sass.tile_path(instrs, loop)
+    # the head (2), the interior body with its jump to the latch (4), the latch (2)
+    assert [path[k] for k in ("instructions", "hmma", "nested_loops")] == [8, 2, 0]
+    assert sass.tile_path(instrs[:2] + instrs[10:], sass.main_loop(instrs[:2] + instrs[10:])) is None
 
 
 def test_dependent_load_chain():
