@@ -51,7 +51,7 @@ The model (everything below is static; each number is an estimate of a ceiling, 
   with the same assumed latency.
 - Tile path (the pipelined prefill, TILE_PATH_FAMILIES): the instructions an interior tile issues per
   warp, the loop's head, the fall-through of its edge / interior branch and the latch (tile_path); a
-  nested loop on it ("tile path loops": the fp8 staging copies) is counted once, so there it is a
+  nested loop on it ("tile path loops": the fp8 kernels' rolled widening) is counted once, so there it is a
   lower bound. The static loop counts take the edge body and the cold add-back as if they ran.
 """
 from __future__ import annotations

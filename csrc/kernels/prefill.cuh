@@ -738,9 +738,9 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
 // 256) and KV tiles of 64 keys (32 at value tile 256: plan.h tc_pipelined_kv_tile):
 //  * Q, K and V tiles go by 16-byte cp.async straight from the query and the paged cache into shared
 //    memory, FlashAttention-2's schedule with one buffer each: V of tile i loads while Q K^T of tile
-//    i runs, K of tile i + 1 while P V of tile i (two commit groups per tile). A cache of the
-//    query's dtype by copy_row: each thread one row of the tile (one block-table entry a tile, not
-//    one a chunk), its chunks by unrolled cp.async at constant offsets, padding by src-size 0;
+//    i runs, K of tile i + 1 while P V of tile i (two commit groups per tile), by copy_row: each
+//    thread one row of the tile (one block-table entry a tile, not one a chunk), its chunks by
+//    unrolled cp.async at constant offsets, padding by src-size 0;
 //  * shared-memory rows of DK (Q, K) or DV (V) elements, 16-byte chunk c of row r stored at chunk
 //    c ^ (r % 8) (swizzled_offset; DK, DV multiples of 64, so a row's chunks stay in it and every
 //    row starts on bank group 0): the 8 rows of every 8x8 matrix ldmatrix reads are 8 consecutive
@@ -806,6 +806,14 @@ struct LdmatrixRows {
   }
 };
 
+// The pipelined kernel's fp8 staging rows (rows of kChunks 16-byte chunks as copied): chunk c of row j
+// lies at c ^ (j % 8), or c ^ (j % 4) in rows of 4 or 12 chunks, where a 4-aligned group of chunks
+// stays whole and in its row (copy_row's comment).
+template <int kChunks>
+__device__ __forceinline__ int staged_chunk(int j, int c) {
+  return c ^ (j & (kChunks % 8 == 0 ? 7 : 3));
+}
+
 // The (row, chunk) a thread copies in pass `pass` over a tile of rows of kChunks 16-byte chunks:
 // where the block's threads cover whole rows (kChunks divides kTcThreads: heads 64, 128, 256) a
 // fixed chunk of rows kRowsPerPass apart; else (192: 24 chunks) the tile's chunks in row-major order,
@@ -850,8 +858,6 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
                 BN = tc_pipelined_kv_tile(DK, DV, kCacheBytes);
   constexpr int NT_O = DV / 8, KS_MAX = DK / 16, NT_S = BN / 8;
   using QGrid = CopyGrid<DK / 8>;                 // 16-byte chunks per Q (and 16-bit K) shared-memory row
-  using KGrid = CopyGrid<DK * kCacheBytes / 16>;  // ... per K row as copied from the cache
-  using VGrid = CopyGrid<DV * kCacheBytes / 16>;  // ... per V row as copied
   using VTileGrid = CopyGrid<DV / 8>;             // ... per 16-bit V tile row (the hold-back's scan)
   // Q's fragments stay in registers for the whole KV loop where they are few (MT x DK / 4 per
   // lane <= 32); else they are re-read per k-step: beside the accumulators they would spill.
@@ -886,8 +892,6 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   const int warp_row0 = warp * 16 * MT;  // the warp's first packed row in the tile
   // This thread's chunks of the rows it copies.
   const QGrid qgrid;
-  const KGrid kgrid;
-  const VGrid vgrid;
   const VTileGrid vtile_grid;
   // ldmatrix: lane l gives a row of matrix l / 8 (mma.cuh's ldmatrix).
   const int ld_mat = lane / 8, ld_row = lane % 8;
@@ -932,43 +936,22 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
     // kv_end (never read from the cache: they may hold NaN or lie past the table) and the chunks
     // past the head's data are zeros, so the mma's 0 * v stays 0. FlashAttention-2's schedule, one
     // buffer each: V of tile i loads while Q K^T of tile i runs, K of tile i + 1 while P V of tile i.
-    // An fp8 cache's K and V of tile i + 1 both load into the staging tiles during tile i, by
-    // copy_rows: chunk by chunk over the tile (the grid's order: each pass a warp writes whole
-    // unswizzled staging rows, all bank groups; V's block-table entries read again, from L1). DIM:
-    // the staging tile's row width, DIM bytes.
-    auto copy_rows = [&](const auto& grid, const PagedKV<KV>& cache, auto dim, unsigned char* staged, int data,
-                         int kv0) {
-        using Grid = std::decay_t<decltype(grid)>;
-        constexpr int kPasses = Grid::template passes<BN>(), DIM = decltype(dim)::value;
-        // Not unrolled: cp.async holds no register while in flight, so a rolled loop keeps every
-        // copy of the tile outstanding all the same, at a tenth of the code (two sites).
-#pragma unroll 1
-        for (int pass = 0; pass < kPasses; ++pass) {
-          const int j = grid.row(pass), c = grid.chunk(pass), tok = kv0 + j;
-          void* dst = staged + j * DIM + 16 * c;
-          if (tok < kv_end && c < data) {
-            const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
-            copy_async(dst, cache.base + cache.block_table[in_table] * cache.stride_block + off * cache.stride_token +
-                                (16 / kCacheBytes) * c,
-                       16);
-          } else {
-            *reinterpret_cast<uint4*>(dst) = zeros;
-          }
-        }
-        cp_async_commit();
-    };
-    // A cache of the query's dtype, copy_row: thread t copies row copy_row_j = t / kCopyThreadsPerRow
-    // of the tile, its chunks t % kCopyThreadsPerRow + kCopyThreadsPerRow k: one block-table entry per
-    // thread and tile (one dependent load, not one a chunk), a warp's pass reads whole 32-byte sectors
-    // of its rows, and the swizzle spreads the pass's shared-memory writes over all 8 bank groups, 4
-    // chunks each (the fewest wavefronts 512 bytes take). Unrolled: the chunks' addresses are the
-    // row's plus constants; padding (rows at or past kv_end, chunks past the head) by src-size 0, from
-    // an aligned address that is not read.
-    auto copy_row = [&](const PagedKV<KV>& cache, auto dim, T* tile, int data, int kv0) {
-      constexpr int DIM = decltype(dim)::value, kChunks = DIM / 8;
+    // copy_row: thread t copies row copy_row_j = t / kCopyThreadsPerRow of the tile, its chunks
+    // t % kCopyThreadsPerRow + kCopyThreadsPerRow k: one block-table entry per thread and tile (one
+    // dependent load, not one a chunk), and a warp's pass reads whole 32-byte sectors of its rows.
+    // Unrolled: the chunks' addresses are the row's plus constants; padding (rows at or past kv_end,
+    // chunks past the head) by src-size 0, from an aligned address that is not read. Into the 16-bit
+    // tile (a cache of the query's dtype) at its swizzled chunks; an fp8 cache's into the staging tile,
+    // rows of DIM bytes as copied, chunk c of row j at c ^ (j % 8) (j % 4 where a row has 4 or 12
+    // chunks: staged_chunk): the staging tile is read only by the thread that wrote it (widen_rows),
+    // and the swizzle spreads a pass's writes over all 8 bank groups, 4 chunks each (the fewest
+    // wavefronts 512 bytes take), as the 16-bit tile's does.
+    auto copy_row = [&](const PagedKV<KV>& cache, auto dim, T* tile, unsigned char* staged, int data, int kv0) {
+      constexpr int DIM = decltype(dim)::value, kChunks = DIM * kCacheBytes / 16;
+      static_assert(kChunks % kCopyThreadsPerRow == 0, "whole rows per thread group");
       const int tok = kv0 + copy_row_j;
       const bool in_range = tok < kv_end;
-      const KV* src = cache.base + copy_row_first * 8;
+      const KV* src = cache.base + copy_row_first * (16 / kCacheBytes);
       if (in_range) {
         const int in_table = by_block.div(tok), off = tok - in_table * by_block.d;
         src += cache.block_table[in_table] * cache.stride_block + off * cache.stride_token;
@@ -976,31 +959,30 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll
       for (int k = 0; k < kChunks / kCopyThreadsPerRow; ++k) {
         const int c = copy_row_first + kCopyThreadsPerRow * k;
-        T* const dst = tile + copy_row_j * DIM + copy_row_swz[k % kCopySwz] + (k / kCopySwz) * 64;
-        copy_async_16(dst, src + 8 * kCopyThreadsPerRow * k, in_range && c < data ? 16 : 0);
+        void* const dst = kStaged ? static_cast<void*>(staged + copy_row_j * DIM + 16 * staged_chunk<kChunks>(copy_row_j, c))
+                                  : static_cast<void*>(tile + copy_row_j * DIM + copy_row_swz[k % kCopySwz] +
+                                                       (k / kCopySwz) * 64);
+        copy_async_16(dst, src + (16 / kCacheBytes) * kCopyThreadsPerRow * k, in_range && c < data ? 16 : 0);
       }
       cp_async_commit();
     };
-    auto stage_k = [&](int kv0) {
-      if constexpr (kStaged) copy_rows(kgrid, K, std::integral_constant<int, DK>{}, k_staged, k_copy_chunks, kv0);
-      else copy_row(K, std::integral_constant<int, DK>{}, Kt, k_copy_chunks, kv0);
-    };
-    auto stage_v = [&](int kv0) {
-      if constexpr (kStaged) copy_rows(vgrid, V, std::integral_constant<int, DV>{}, v_staged, v_copy_chunks, kv0);
-      else copy_row(V, std::integral_constant<int, DV>{}, Vt, v_copy_chunks, kv0);
-    };
+    auto stage_k = [&](int kv0) { copy_row(K, std::integral_constant<int, DK>{}, Kt, k_staged, k_copy_chunks, kv0); };
+    auto stage_v = [&](int kv0) { copy_row(V, std::integral_constant<int, DV>{}, Vt, v_staged, v_copy_chunks, kv0); };
     // widen_rows (fp8 caches): the staged chunks this thread copied (its own cp.async data: visible
     // to it after its wait, no barrier needed) into the 16-bit tile, 16 values into two swizzled chunks.
-    auto widen_rows = [&](const auto& grid, auto dim, const unsigned char* staged, T* tile) {
-      using Grid = std::decay_t<decltype(grid)>;
-      constexpr int DIM = decltype(dim)::value;
+    // Rolled: a chunk's widening is 8-40 instructions (sm_89+ cvt, sm_80 prmt / mul.f16x2), which
+    // unrolled at two sites would outweigh the loop's few a pass in code size (sm_80's head-128 kernel:
+    // 5713 instructions, HMMA 8.96% of them, against 5158 and 9.9% rolled).
+    auto widen_rows = [&](auto dim, const unsigned char* staged, T* tile) {
+      constexpr int DIM = decltype(dim)::value, kChunks = DIM / 16;
 #pragma unroll 1
-      for (int pass = 0; pass < Grid::template passes<BN>(); ++pass) {
-        const int j = grid.row(pass), c = grid.chunk(pass);
+      for (int k = 0; k < kChunks / kCopyThreadsPerRow; ++k) {
+        const int c = copy_row_first + kCopyThreadsPerRow * k;
         uint4 lo, hi;
-        widen_fp8x16<T, KV>(*reinterpret_cast<const uint4*>(staged + j * DIM + 16 * c), lo, hi);
-        *reinterpret_cast<uint4*>(tile + swizzled_offset<DIM>(j, 2 * c)) = lo;
-        *reinterpret_cast<uint4*>(tile + swizzled_offset<DIM>(j, 2 * c + 1)) = hi;
+        widen_fp8x16<T, KV>(*reinterpret_cast<const uint4*>(staged + copy_row_j * DIM + 16 * staged_chunk<kChunks>(copy_row_j, c)),
+                            lo, hi);
+        *reinterpret_cast<uint4*>(tile + swizzled_offset<DIM>(copy_row_j, 2 * c)) = lo;
+        *reinterpret_cast<uint4*>(tile + swizzled_offset<DIM>(copy_row_j, 2 * c + 1)) = hi;
       }
     };
 
@@ -1100,8 +1082,8 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
         // In flight: this tile's K and V groups (issued during the previous tile, or above).
         cp_async_wait<0>();
         __syncthreads();  // every warp is done with the previous tile's K and V
-        widen_rows(kgrid, std::integral_constant<int, DK>{}, k_staged, Kt);
-        widen_rows(vgrid, std::integral_constant<int, DV>{}, v_staged, Vt);
+        widen_rows(std::integral_constant<int, DK>{}, k_staged, Kt);
+        widen_rows(std::integral_constant<int, DV>{}, v_staged, Vt);
         if (has_next) {  // this thread's staging chunks are widened: the next tile may land there
           stage_k(kv0 + BN);
           stage_v(kv0 + BN);
