@@ -456,12 +456,10 @@ def tile_path(instrs, loop: dict) -> dict | None:
         x = _target(jump)
         if jump[1] == "BRA" and not jump[5] and x is not None and t < x <= end and x in index:
             path = instrs[index[start] : index[t]] + instrs[index[x] : index[end] + 1]
-            m = mix(path)
+            hmma = sum(i[1].startswith(("HMMA", "HGMMA")) for i in path)
             on_path = {i[0] for i in path}
             nested = sum(1 for i in path[:-1] if (b := _target(i)) is not None and b < i[0] and b in on_path)
-            return dict(instructions=len(path), hmma=m.get("HMMA", 0) + m.get("HGMMA", 0),
-                        hmma_share=(m.get("HMMA", 0) + m.get("HGMMA", 0)) / len(path), nested_loops=nested,
-                        local=m.get("LDL/STL", 0), mix=m)
+            return dict(instructions=len(path), hmma=hmma, hmma_share=hmma / len(path), nested_loops=nested)
     return None
 
 

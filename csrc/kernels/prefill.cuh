@@ -897,7 +897,8 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   const int ld_mat = lane / 8, ld_row = lane % 8;
   // copy_row's thread: row copy_row_j of a K / V tile, chunks copy_row_first + kCopyThreadsPerRow k;
   // chunk c lies at (c ^ j % 8) * 8 elements, which takes kCopySwz values over the first 8 chunks
-  // and repeats them 8 chunks (64 elements) further on.
+  // and repeats them 8 chunks (64 elements) further on. Held (swizzled_offset per chunk instead: +26
+  // instructions an interior tile and 80 -> 104 B of stack at <bf16, 128, 128> on sm_90).
   constexpr int kCopyThreadsPerRow = kTcThreads / BN, kCopySwz = 8 / kCopyThreadsPerRow;
   static_assert(kTcThreads % BN == 0 && (DV / 8) % kCopyThreadsPerRow == 0 && kCopyThreadsPerRow <= 8, "copy rows");
   const int copy_row_j = int(threadIdx.x) / kCopyThreadsPerRow, copy_row_first = int(threadIdx.x) % kCopyThreadsPerRow;
