@@ -201,7 +201,7 @@ ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
 
 def path_of(family: str, args: list[str]) -> str:
     """decode_kernel's compiled KV loops (its kFast, kScoreMods template arguments, plan.h
-    decode_fast_path): 'fast' (16-byte copies, power-of-two blocks, no soft-cap / ALiBi code), 'fast,
+    decode_fast_path): 'fast' (16-byte copies, head 64 / 128 / 256, any block size, no soft-cap / ALiBi code), 'fast,
     score mods' (the same with them: caches of the query's dtype) or 'general' (every case);
     prefill_tc_pipelined_kernel's two (kScoreMods, plan.h score_mods): 'plain' (the scores take one
     multiply) or 'score mods' (soft-cap / ALiBi), each with ', fp8' over an fp8 cache (staged tiles
@@ -621,9 +621,12 @@ def markdown(rows: list[dict], full: bool = False) -> str:
 
 
 # ---- decode calls: a kernel's bound at the grid its plan launches ---------------------------------
-# The issue's decode shapes (bf16, head 128, block 16): (label, num_seqs, seq_len, num_heads, num_kv_heads).
-DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8), ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8),
-                 ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8), ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8)]
+# The issue's decode shapes (bf16, head 128, block 16), and its batch-64 one over pages of 48 tokens
+# (a block size no power of two, as hybrid models' attention pages are): (label, num_seqs, seq_len,
+# num_heads, num_kv_heads, block_size).
+DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8, 16), ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8, 16),
+                 ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8, 16), ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8, 16),
+                 ("64 x 4096, 32 / 8 heads, block 48", 64, 4096, 32, 8, 48)]
 PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
                "tile_tokens", "smem", "blocks_per_sm", "fast_path", "score_mods",
                "cluster_blocks")  # csrc/cuda_emu/backend.cpp decode_plan
@@ -695,8 +698,8 @@ def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS,
                      exchange_ns: float = DEFAULT_EXCHANGE_NS) -> list[dict]:
     """call_bound of DECODE_SHAPES on an H200, for the sm_90 decode_kernel the plan launches."""
     dev, out = DEVICES["sm_90"], []
-    for label, seqs, ctx, heads, kv_heads in DECODE_SHAPES:
-        plan = decode_plan(seqs, ctx, heads, kv_heads, dev.sms)
+    for label, seqs, ctx, heads, kv_heads, block in DECODE_SHAPES:
+        plan = decode_plan(seqs, ctx, heads, kv_heads, dev.sms, block=block)
         if plan is None:
             return []
         fast, mods = bool(plan["fast_path"]), bool(plan["score_mods"] or not plan["fast_path"])

@@ -1,8 +1,8 @@
 """The bandwidth decode kernel (csrc/kernels/decode.cuh, issue #23 item 2) under the emulator: its
 split-KV plan taken from the device's SM count (the emulator's, set by
 paged_cuda_emu_test.set_num_sms), the cp.async ring at tile sizes that leave every stage partial,
-the group spread over head tiles of <= 4 heads, the general (odd view, non-power-of-two block)
-paths next to the fast ones, and split rows merged inside thread-block clusters (the emulated sm_90
+the group spread over head tiles of <= 4 heads, the general (odd view) loop next to the fast one (any
+block size), and split rows merged inside thread-block clusters (the emulated sm_90
 plans them as an H100 / H200 would; paged_cuda_emu_test.set_max_cluster_size picks the size). Same standards as tests/test_cuda_emu.py: fresh random inputs, NaN in
 the output and the unused cache slots, the float64 reference.
 """
@@ -180,23 +180,26 @@ def odd_views(case):
     return case
 
 
-@pytest.mark.parametrize("block_size", [6, 16])
+@pytest.mark.parametrize("block_size", [6, 16, 80])
 @pytest.mark.parametrize("group", [1, 4])
-def test_odd_views_and_block_sizes(block_size, group):
-    # An odd element offset and head stride: the ring falls back to 2-byte copies; a block size
-    # that is no power of two takes the division instead of the shift. Neither is the fast path.
+@pytest.mark.parametrize("odd", [False, True])
+def test_odd_views_and_block_sizes(block_size, group, odd):
+    # An odd element offset and head stride: the ring falls back to 2-byte copies, the general loop.
+    # A block size that is no power of two (6, 80: pages that tiles of 8 / 16 / 32 tokens straddle) takes
+    # the fast loop as a power of two does: locate_tile's FastDivmod finds every token's page. Before,
+    # such a block size sent the call to the general loop (a shift was the fast loop's page lookup).
     case = make_case([1, 17, 70, 121], num_heads=2 * group, num_kv_heads=2, head_size=64, block_size=block_size,
                      dtype=torch.bfloat16, seed=block_size + group)
-    if block_size == 16:
+    if odd:
         odd_views(case)
-    assert not plan(case)["fast_path"]
+    assert plan(case)["fast_path"] == (not odd)
     run_decode(case)
-    run_decode(case, dict(force_split=1, partition_size=32))
+    run_decode(case, dict(force_split=1, partition_size=32))  # partitions that start inside a page
 
 
 def test_the_fast_path_is_the_plain_loop():
-    # plan.h decode_fast_path: decode_kernel<..., true, *> is compiled with 16-byte copies and a shift
-    # for the page, so a call needing other copies or a division must not take it; its soft-cap / ALiBi
+    # plan.h decode_fast_path: decode_kernel<..., true, *> is compiled with 16-byte copies, so a call
+    # needing other copies must not take it; its soft-cap / ALiBi
     # instances (<..., true, true>: the plan's score_mods) exist for caches of the query's dtype only.
     case = make_case([5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16, seed=4)
     assert plan(case)["fast_path"] and not plan(case)["score_mods"]
@@ -207,10 +210,9 @@ def test_the_fast_path_is_the_plain_loop():
                         cache_dtype=torch.float8_e4m3fn, scale_kind="head", seed=5)
         assert plan(fp8)["fast_path"] and not plan(fp8, **mods)["fast_path"]  # the general loop's soft-cap / ALiBi
     assert not plan(odd_views(case))["fast_path"]
-    for block_size in (1, 64):
+    for block_size in (1, 12, 64):  # any block size: the page by FastDivmod, outside the loop's copies
         assert plan(make_case([9], num_heads=4, num_kv_heads=1, head_size=64, block_size=block_size,
                               seed=block_size))["fast_path"]
-    assert not plan(make_case([9], num_heads=4, num_kv_heads=1, head_size=64, block_size=12, seed=1))["fast_path"]
     latent = make_case([9], num_heads=16, num_kv_heads=1, head_size=576, value_head_size=512, value_in_key=True,
                        block_size=16, dtype=torch.bfloat16, seed=2)
     assert not plan(latent)["fast_path"]  # decode_wide_kernel has one loop

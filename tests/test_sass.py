@@ -35,9 +35,9 @@ TARGETS = {
 # decode_kernel (81 instantiations per arch, one kernel for every group) 76-128 registers and no
 # spills (the register and spill targets are met), occupancy 25-37.5% on sm_90 (18.8% on sm_80 at
 # the A100's 164 KB of shared memory); its general loop 0.24-0.68 loop instructions per byte on sm_90
-# (0.21-0.50 on sm_80), static bound on sm_90 32-60% of 4.8 TB/s: issue rate caps it at G = 4 and the
-# dependent-load chain (6 rounds per step-loop iteration since the ALiBi slopes come from the block's
-# shared-memory copy; 8-14 and 22-35% before) elsewhere, Little 422%+. prefill_tc_kernel (the general tensor-core kernel: fp8 caches, odd views) HMMA
+# (0.20-0.49 on sm_80), static bound on sm_90 32-65% of 4.8 TB/s: issue rate caps it at G = 4 and the
+# dependent-load chain (5 rounds per step-loop iteration since the page is found by FastDivmod, 6 since
+# the ALiBi slopes come from the block's shared-memory copy; 8-14 and 22-35% before) elsewhere, Little 422%+. prefill_tc_kernel (the general tensor-core kernel: fp8 caches, odd views) HMMA
 # 0.5-2.1%, its 64 B stack frame the local array of the cold add-back of non-finite V rows (0 bytes
 # of spill stores by ptxas). prefill_tc_pipelined_kernel (cp.async + ldmatrix, FA2's structure and
 # schedule, 128-row tiles at value heads <= 128) is compiled twice per head tile (bench/sass.py
@@ -72,7 +72,7 @@ CURRENT = {
 }
 
 # decode_kernel is compiled twice per shape (bench/sass.py path_of): the fast path (plan.h
-# decode_fast_path: 16-byte copies, power-of-two blocks, head 64 / 128 / 256; no soft-cap / ALiBi code
+# decode_fast_path: 16-byte copies, head 64 / 128 / 256, any block size; no soft-cap / ALiBi code
 # but in its score-mods instances below) and the general loop, which keeps every case and today's
 # CURRENT figures above. The fast loop sums a step's dot products by recursive halving
 # (decode.cuh reduce_scatter_scores: N - 1 shuffles for N scores, not N log2(TPT)) and hands them back
@@ -240,8 +240,10 @@ def test_decode_fast_path_meets_the_issue_targets(rows, arch):
 # against 3.5 us of KV bytes; 83% at 100 ns, 79.5% at 300 ns), so the 80% holds if the exchange costs
 # under ~270 ns, which no GPU has measured. Before (a reduce kernel after 296 CTAs of 112-token
 # partitions): 71%, 74% the most its two latencies allowed. 1 x 32768 97% (95% before).
+# 64 x 4096 over 48-token pages (no power of two): the fast loop as at 16 (locate_tile's FastDivmod);
+# before, the general loop took it (its sm_90 bound 40-60%).
 CALL_SHARES = {"64 x 4096, 32 / 8 heads": 0.9, "1 x 4096, 32 / 8 heads": 0.8, "1 x 4096, 64 / 8 heads": 0.8,
-               "1 x 32768, 32 / 8 heads": 0.95}
+               "1 x 32768, 32 / 8 heads": 0.95, "64 x 4096, 32 / 8 heads, block 48": 0.9}
 
 
 def test_decode_calls_at_their_grids(rows):

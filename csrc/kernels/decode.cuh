@@ -12,7 +12,7 @@
 //    separate commit groups, so the QK of tile i runs while its V is still arriving. Copies are 16
 //    bytes where the view allows (the plan's copy_bytes), down to 1 byte for odd views.
 //  * Page offsets once per token, not per lane: the K and V byte offsets of a tile's tokens (block
-//    table lookup, division by the block size: a shift when it is a power of two) are computed by
+//    table lookup, division by the block size: FastDivmod, a multiply and a shift) are computed by
 //    one thread per token into shared memory a tile ahead; the copies read them from there.
 //  * The group spread across threads: a "token group" of TPT lanes works on one token, each lane
 //    owning an 8-element chunk of the head dimension (TPT = head_size / 8 rounded up to 8, 16 or
@@ -30,9 +30,9 @@
 //  * Softmax rescale once per step of decode_rows_per_step tokens per token group (the default tile
 //    is one step), not per token.
 //  * The common case compiled on its own: decode_kernel<..., kFast = true, kScoreMods> (plan.h
-//    decode_fast_path: 16-byte copies, a power-of-two block size, head 64 / 128 / 256 for keys and
-//    values) has none of the other cases' code in its KV loop: the copies unrolled at a constant
-//    pitch, the page by a shift, fp8 scales moved onto q and the accumulators, exp2 by one
+//    decode_fast_path: 16-byte copies, head 64 / 128 / 256 for keys and values, any block size)
+//    has none of the other cases' code in its KV loop: the copies unrolled at a constant
+//    pitch, fp8 scales moved onto q and the accumulators, exp2 by one
 //    ex2.approx (exp2_approx). The soft-cap and ALiBi are compiled into it only in its kScoreMods
 //    instances (caches of the query's dtype: Gemma 2's soft-cap, ALiBi models); the general loop
 //    (decode_kernel<..., false, true>) keeps every case. Everything else (windows, sinks, lse,
@@ -588,15 +588,14 @@ __device__ __forceinline__ void copy_tile_rows_fixed(unsigned char* dst, const c
 }
 
 // K and V byte offsets of tokens [t0, t0 + n) (n <= C) into `offsets` ([C][2]): one thread per
-// token, one block-table lookup and one division (a shift for power-of-two blocks) each.
-// kShift: the block size is known to be a power of two (decode_kernel's fast path).
-template <typename KV, bool kShift>
+// token, one block-table lookup and one FastDivmod (a multiply and a shift, any block size) each.
+template <typename KV>
 __device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>& K, const PagedKV<KV>& V, int t0,
-                                            int n, int block_shift) {
+                                            int n, const FastDivmod& by_block) {
   for (int r = threadIdx.x; r < n; r += blockDim.x) {
     const int t = t0 + r;
-    const int blk_idx = kShift || block_shift >= 0 ? t >> block_shift : t / K.block_size;
-    const int off = t - blk_idx * K.block_size;
+    const int blk_idx = by_block.div(t);
+    const int off = t - blk_idx * by_block.d;
     const int64_t blk = K.block_table[blk_idx];
     offsets[2 * r] = (blk * K.stride_block + int64_t(off) * K.stride_token) * int64_t(sizeof(KV));
     offsets[2 * r + 1] = (blk * V.stride_block + int64_t(off) * V.stride_token) * int64_t(sizeof(KV));
@@ -619,7 +618,7 @@ PAGED_HOST_DEVICE constexpr int decode_wide_kernel_rows_per_step() {
 // One block of the decode kernels (decode_kernel, decode_wide_kernel below): TPT lanes per token,
 // G heads per token group, KC chunks of q / K and VC chunks of V per lane (chunk_dim), kRows token
 // rows per step. sh: the launch shape (plan_decode, kernels/plan.h). kFast: the plan's fast_path
-// (plan.h decode_fast_path: 16-byte copies, power-of-two blocks), so the KV loop is compiled without
+// (plan.h decode_fast_path: 16-byte copies, head 64 / 128 / 256), so the KV loop is compiled without
 // the code of the other cases; kScoreMods: the soft-cap and ALiBi are compiled in (always in the
 // general loop; in the fast one where the plan's score_mods says so).
 template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows, bool kFast, bool kScoreMods>
@@ -710,8 +709,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   auto tile_rows = [&](int j) { return j < ntiles ? min(C, end - (start + j * C)) : 0; };
   auto locate = [&](int j) {
     if (j < ntiles)
-      locate_tile<KV, kFast>(offsets + size_t(j % kDecodeStages) * 2 * C, K, V, start + j * C, tile_rows(j),
-                             sh.block_shift);
+      locate_tile<KV>(offsets + size_t(j % kDecodeStages) * 2 * C, K, V, start + j * C, tile_rows(j), sh.by_block);
   };
   // Tile j's K rows, then its V rows, into stage j % kDecodeStages: two commit groups always (empty
   // past the last tile, and the V one when V is read from K's rows), so the wait counts below hold

@@ -12,9 +12,29 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "attention_rules.h"  // PAGED_HOST_DEVICE
 #include "kernels/params.h"
 
 namespace paged {
+
+// n / d and n % d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 fixed for a launch (the block size,
+// the GQA group): a multiply and a shift instead of a division's ~20 instructions, and for a
+// power-of-two d the same as n >> log2 d. With 2^(s-1) < d <= 2^s and mul = ceil(2^(31+s) / d),
+// floor(n mul / 2^(31+s)) = floor(n / d) for every n < 2^31 (the error mul d - 2^(31+s) is below
+// d <= 2^s: Granlund & Montgomery's round-up method). mul < 2^32, but held in 64 bits: a 32-bit mul
+// moved the pipelined prefill's register allocation the wrong way (stack 80 -> 88 B and spill loads
+// in its interior tile at <bf16, 128, 128> on sm_90). Plain data: the decode plan makes it on the host.
+struct FastDivmod {
+  int d, shift;
+  uint64_t mul;
+  FastDivmod() = default;
+  PAGED_HOST_DEVICE explicit FastDivmod(int divisor) : d(divisor), shift(0) {
+    while ((1u << shift) < unsigned(d)) ++shift;
+    mul = ((uint64_t(1) << (31 + shift)) + uint64_t(d) - 1) / uint64_t(d);
+  }
+  PAGED_HOST_DEVICE int div(int n) const { return int((uint64_t(n) * mul) >> (31 + shift)); }
+  PAGED_HOST_DEVICE int mod(int n) const { return n - div(n) * d; }
+};
 
 // True when base + k * stride is a multiple of `bytes` for every k (and every listed stride).
 inline bool aligned_to(const void* base, int elem_bytes, std::initializer_list<int64_t> strides, int bytes) {

@@ -77,7 +77,7 @@ struct DecodeShape {
   int v_rows;           // bytes from a stage's K rows to its V rows (C x pitch); 0: V is read from the
                         // K rows (values_in_key_rows) and never copied
   int copy_bytes;       // bytes per copy_async (16 when pointer and strides allow, down to 1)
-  int block_shift;      // log2(block_size) when it is a power of two, else -1
+  FastDivmod by_block;  // token position -> (page, offset) by a multiply and a shift (kernels/paged_kv.h)
   int smem_bytes;       // dynamic shared memory (decode_smem)
   int cluster_blocks;   // > 1: a row's partitions are one thread-block cluster of this many blocks on grid
                         // z, which merges their partials itself (plan_cluster_merge); 0: no cluster
@@ -150,8 +150,8 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
   return (span + part - 1 + (windowed ? part - 1 : 0)) / part;
 }
 
-// decode_kernel's fast path (its template flag kFast): every K / V row copied by 16-byte cp.async,
-// and the block size a power of two (a shift finds a token's page); a soft-cap or ALiBi only over a
+// decode_kernel's fast path (its template flag kFast): every K / V row copied by 16-byte cp.async, any
+// block size (a token's page is found once per tile, by FastDivmod: locate_tile); a soft-cap or ALiBi only over a
 // cache of the query's dtype (their fast instances, kScoreMods, are built for those alone: the plan's
 // score_mods). Those are what the KV loop's instructions depend on; windows, sinks, lse, split-KV and
 // fp8 scales act outside it and take either path. Everything the choice
@@ -163,7 +163,7 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
 constexpr int kFastCopyPasses = 4;
 inline bool decode_fast_path(const AttentionParams& p, const DecodeShape& sh, int threads, int tpt) {
   const bool score_mods = p.softcap != 0.f || p.alibi_slopes != nullptr;
-  if ((score_mods && p.cache_dtype != p.dtype) || sh.copy_bytes != 16 || sh.block_shift < 0) return false;
+  if ((score_mods && p.cache_dtype != p.dtype) || sh.copy_bytes != 16) return false;
   const int row_bytes = int(p.head_size) * dtype_bytes(p.cache_dtype);
   if (p.head_size != 8 * tpt || p.value_head_size != p.head_size || sh.pitch != row_bytes) return false;
   const int units = row_bytes / 16;  // >= 4: heads of 64+ elements
@@ -209,9 +209,7 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   sh.tile_tokens = std::max(1, std::min(tile, budget / token_bytes));
   sh.v_rows = v_in_k ? 0 : sh.tile_tokens * sh.pitch;
   sh.stage_bytes = sh.tile_tokens * token_bytes;
-  sh.block_shift = -1;
-  for (int s = 0; s < 31; ++s)
-    if ((int64_t(1) << s) == p.block_size) sh.block_shift = s;
+  sh.by_block = FastDivmod(int(p.block_size));
   sh.smem_bytes = int(decode_smem(sh, threads, pl.tpt, G, int(p.value_head_size)));
   pl.smem = size_t(sh.smem_bytes);
   // Resident blocks per SM by shared memory and registers (the kernel's register cap).

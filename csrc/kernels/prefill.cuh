@@ -767,21 +767,6 @@ __device__ __forceinline__ void add_back_nonfinite_v_paired(float (&o)[MT][NT_O]
 // sm_90: this is the Ampere (mma.sync) structure. A wgmma / TMA path is not written: on Hopper the
 // Triton prefill (wgmma) is the choice, and the tuner times cuda against triton per shape (issue #23
 // item 6).
-// n / d and n % d for 0 <= n < 2^31 and a divisor 1 <= d < 2^31 fixed for the kernel (the block size,
-// the GQA group): a multiply and a shift instead of a division's ~20 instructions. With
-// 2^(s-1) < d <= 2^s and mul = ceil(2^(31+s) / d), floor(n * mul / 2^(31+s)) = floor(n / d) for every
-// n < 2^31 (the error mul * d - 2^(31+s) is below d <= 2^s: Granlund & Montgomery's round-up method).
-struct FastDivmod {
-  int d, shift;
-  uint64_t mul;
-  __device__ __forceinline__ explicit FastDivmod(int divisor) : d(divisor), shift(0) {
-    while ((1 << shift) < d) ++shift;
-    mul = ((uint64_t(1) << (31 + shift)) + uint64_t(d) - 1) / uint64_t(d);
-  }
-  __device__ __forceinline__ int div(int n) const { return int((uint64_t(n) * mul) >> (31 + shift)); }
-  __device__ __forceinline__ int mod(int n) const { return n - div(n) * d; }
-};
-
 template <int DMAX>
 __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
   return row * DMAX + ((chunk ^ (row & 7)) << 3);
@@ -912,7 +897,7 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
   const float vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const PagedKV<KV> K = paged_k<KV>(p, seq, kvh), V = paged_v<KV>(p, seq, kvh);
   const uint4 zeros = make_uint4(0u, 0u, 0u, 0u);
-  const FastDivmod by_block(K.block_size), by_group(group);
+  const FastDivmod by_block(K.block_size), by_group(group);  // kernels/paged_kv.h
   // A kScoreMods kernel's soft-cap: cap_log2 tanh(q . k tanh_mul), one multiply into the tanh.
   const bool capped = mod.cap_log2 > 0.f;
   const float tanh_mul = mod.qk_mul * mod.inv_cap;
