@@ -201,8 +201,9 @@ ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
 
 def path_of(family: str, args: list[str]) -> str:
     """decode_kernel's compiled KV loops (its kFast, kScoreMods template arguments, plan.h
-    decode_fast_path): 'fast' (16-byte copies, head 64 / 128 / 256, any block size, no soft-cap / ALiBi code), 'fast,
-    score mods' (the same with them: caches of the query's dtype) or 'general' (every case);
+    decode_fast_path): 'fast' (16-byte copies, one head size for keys and values, up to the lanes' 8 x TPT,
+    any block size, no soft-cap / ALiBi code), 'fast, score mods' (the same with them: caches of the
+    query's dtype) or 'general' (every case);
     prefill_tc_pipelined_kernel's two (kScoreMods, plan.h score_mods): 'plain' (the scores take one
     multiply) or 'score mods' (soft-cap / ALiBi), each with ', fp8' over an fp8 cache (staged tiles
     widened in shared memory); '' elsewhere."""
@@ -622,11 +623,15 @@ def markdown(rows: list[dict], full: bool = False) -> str:
 
 # ---- decode calls: a kernel's bound at the grid its plan launches ---------------------------------
 # The issue's decode shapes (bf16, head 128, block 16), and its batch-64 one over pages of 48 tokens
-# (a block size no power of two, as hybrid models' attention pages are): (label, num_seqs, seq_len,
-# num_heads, num_kv_heads, block_size).
-DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8, 16), ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8, 16),
-                 ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8, 16), ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8, 16),
-                 ("64 x 4096, 32 / 8 heads, block 48", 64, 4096, 32, 8, 48)]
+# (a block size no power of two, as hybrid models' attention pages are) and with heads of 96 (Phi-3's;
+# narrower than the 16 lanes' 128): (label, num_seqs, seq_len, num_heads, num_kv_heads, block_size,
+# head_size).
+DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8, 16, 128),
+                 ("1 x 4096, 32 / 8 heads", 1, 4096, 32, 8, 16, 128),
+                 ("1 x 4096, 64 / 8 heads", 1, 4096, 64, 8, 16, 128),
+                 ("1 x 32768, 32 / 8 heads", 1, 32768, 32, 8, 16, 128),
+                 ("64 x 4096, 32 / 8 heads, block 48", 64, 4096, 32, 8, 48, 128),
+                 ("64 x 4096, 32 / 8 heads, head 96", 64, 4096, 32, 8, 16, 96)]
 PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
                "tile_tokens", "smem", "blocks_per_sm", "fast_path", "score_mods",
                "cluster_blocks")  # csrc/cuda_emu/backend.cpp decode_plan
@@ -663,6 +668,9 @@ def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: in
     """The share of the DRAM peak one decode call reaches by the static model, at its plan's grid:
     - resident warps per SM: the kernel's occupancy, or fewer when the grid is smaller
       (CTAs x warps / SMs); the Little and chain ceilings scale with them, the issue ceiling not;
+    - a head narrower than its lanes (96 on the fast loop's 16: 8 x TPT = 128 elements) leaves the
+      copies of the lanes past it idle, so every ceiling moves head / (8 x TPT) of the loop's static
+      bytes (decode.cuh copy_tile_rows_fixed);
     - bytes: the KV cache (K and V rows of every token) and, split, the partials the kernel writes
       and the reduce kernel reads back (2 x rows x heads x partitions x (Dv + 2) floats); q and out are
       left out;
@@ -676,8 +684,10 @@ def call_bound(row: dict, plan: dict, num_seqs: int, seq_len: int, num_heads: in
     warps_per_cta = plan["threads"] // 32
     warps = min(row["warps"], ctas * warps_per_cta / dev.sms)
     lp = row["loop"]
-    steady = min(lp["issue_share"], lp["little_share"] * warps / row["warps"],
-                 lp["chain_share"] * warps / row["warps"], 1.0)
+    fast = row.get("args", [""] * 5)[4] == "true"  # decode_kernel<T, KV, TPT, G, kFast, kScoreMods>
+    fill = min(1.0, head / (8 * int(row["args"][2]))) if fast else 1.0
+    steady = min(lp["issue_share"] * fill, lp["little_share"] * fill * warps / row["warps"],
+                 lp["chain_share"] * fill * warps / row["warps"], 1.0)
     kv = num_seqs * num_kv_heads * seq_len * 2 * head * elem
     cluster = plan.get("cluster_blocks", 0) > 1
     reduce = bool(plan["split"]) and not cluster
@@ -698,18 +708,19 @@ def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS,
                      exchange_ns: float = DEFAULT_EXCHANGE_NS) -> list[dict]:
     """call_bound of DECODE_SHAPES on an H200, for the sm_90 decode_kernel the plan launches."""
     dev, out = DEVICES["sm_90"], []
-    for label, seqs, ctx, heads, kv_heads, block in DECODE_SHAPES:
-        plan = decode_plan(seqs, ctx, heads, kv_heads, dev.sms, block=block)
+    for label, seqs, ctx, heads, kv_heads, block, head in DECODE_SHAPES:
+        plan = decode_plan(seqs, ctx, heads, kv_heads, dev.sms, head=head, block=block)
         if plan is None:
             return []
         fast, mods = bool(plan["fast_path"]), bool(plan["score_mods"] or not plan["fast_path"])
-        args = ["__nv_bfloat16", "__nv_bfloat16", "16", str(plan["heads_per_thread"]), str(fast).lower(),
+        tpt = next(t for t in (8, 16, 32) if 8 * t >= head)  # plan.h lanes_per_token
+        args = ["__nv_bfloat16", "__nv_bfloat16", str(tpt), str(plan["heads_per_thread"]), str(fast).lower(),
                 str(mods).lower()]
         row = next((r for r in rows if r["arch"] == "sm_90" and r["family"] == "decode_kernel" and r["args"] == args
                     and "warps" in r and "issue_share" in r.get("loop", {})), None)
         if row:
             out.append(dict(shape=label, kernel=f"decode_kernel<{', '.join(args)}>", plan=plan,
-                            **call_bound(row, plan, seqs, ctx, heads, kv_heads, dev, latency_ns,
+                            **call_bound(row, plan, seqs, ctx, heads, kv_heads, dev, latency_ns, head=head,
                                          exchange_ns=exchange_ns)))
     return out
 
@@ -724,7 +735,7 @@ CALL_NOTE = ("Decode calls: the sm_90 kernel their plan (csrc/kernels/plan.h, by
 
 
 def call_markdown(calls: list[dict]) -> str:
-    head = ["decode call (bf16, head 128, block 16)", "kernel", "CTAs", "partition", "warps / SM", "steady bound",
+    head = ["decode call (bf16; head 128, block 16 unless named)", "kernel", "CTAs", "partition", "warps / SM", "steady bound",
             "workspace / KV bytes", "waves", "share of 4.8 TB/s", "latencies alone allow"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in calls:

@@ -2,7 +2,7 @@
 split-KV plan taken from the device's SM count (the emulator's, set by
 paged_cuda_emu_test.set_num_sms), the cp.async ring at tile sizes that leave every stage partial,
 the group spread over head tiles of <= 4 heads, the general (odd view) loop next to the fast one (any
-block size), and split rows merged inside thread-block clusters (the emulated sm_90
+block size, any head up to its lanes' width), and split rows merged inside thread-block clusters (the emulated sm_90
 plans them as an H100 / H200 would; paged_cuda_emu_test.set_max_cluster_size picks the size). Same standards as tests/test_cuda_emu.py: fresh random inputs, NaN in
 the output and the unused cache slots, the float64 reference.
 """
@@ -13,7 +13,7 @@ import torch
 
 import paged_ops
 from bench.sass import PLAN_FIELDS  # backend.cpp decode_plan
-from paged_ops.testing import assert_close, make_case, nan_like
+from paged_ops.testing import assert_close, make_case, nan_like, poison
 
 if "cuda_emu" not in paged_ops.available_backends():  # optional: built only where CUDA's headers are
     pytest.skip("the cuda_emu backend is not built", allow_module_level=True)
@@ -63,7 +63,7 @@ def ctas(pl):
 
 
 def run_decode(case, config=None):
-    out = nan_like(case.query)
+    out = poison(case.query.new_empty(case.out_shape))
     if config is None:
         paged_ops.backend("cuda_emu").decode_attention(*case.decode_args(out))
     else:
@@ -197,6 +197,33 @@ def test_odd_views_and_block_sizes(block_size, group, odd):
     run_decode(case, dict(force_split=1, partition_size=32))  # partitions that start inside a page
 
 
+@pytest.mark.parametrize("head_size,cache_dtype", [(80, None), (96, None), (112, torch.float8_e4m3fn), (40, None),
+                                                   (192, torch.float8_e5m2)])
+@pytest.mark.parametrize("group", [1, 4])
+def test_heads_narrower_than_their_lanes(head_size, cache_dtype, group):
+    # A head narrower than its token group's 8 x TPT lanes (80 / 96 / 112 on 16, 40 on 8, 192 on 32)
+    # takes the fast loop: rows staged at the lanes' width, the head's 16-byte units copied, each staged
+    # row's tail zeroed once (decode.cuh zero_row_tails: the emulator's shared memory starts as NaN, so
+    # a tail left as it was would be a NaN output through the idle lanes' q of 0). Before, these heads
+    # took the general loop (plan.h decode_fast_path wanted head == 8 x TPT). One pass, split, and the
+    # soft-cap / ALiBi instance over a 16-bit cache.
+    num_heads = 2 * group
+    case = make_case([1, 17, 70, 121], num_heads=num_heads, num_kv_heads=2, head_size=head_size, block_size=16,
+                     dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=head_size + group,
+                     **(dict(scale_kind="head") if cache_dtype else {}))
+    assert plan(case)["fast_path"]
+    run_decode(case)
+    run_decode(case, dict(force_split=1, partition_size=32))
+    if cache_dtype is None:
+        g = torch.Generator().manual_seed(head_size)
+        kw = dict(softcap=20.0, alibi_slopes=torch.rand(num_heads, generator=g) * 0.1)
+        pl = plan(case, **kw)
+        assert pl["fast_path"] and pl["score_mods"]
+        out = nan_like(case.query)
+        selftest.decode_attention_config(*case.decode_args(out), config_list(), **kw)
+        assert_close(out, case.reference_decode_lse(**kw)[0], case.dtype)
+
+
 def test_the_fast_path_is_the_plain_loop():
     # plan.h decode_fast_path: decode_kernel<..., true, *> is compiled with 16-byte copies, so a call
     # needing other copies must not take it; its soft-cap / ALiBi
@@ -216,6 +243,10 @@ def test_the_fast_path_is_the_plain_loop():
     latent = make_case([9], num_heads=16, num_kv_heads=1, head_size=576, value_head_size=512, value_in_key=True,
                        block_size=16, dtype=torch.bfloat16, seed=2)
     assert not plan(latent)["fast_path"]  # decode_wide_kernel has one loop
+    narrow_values = make_case([9], num_heads=4, num_kv_heads=1, head_size=128, value_head_size=64, block_size=16,
+                              seed=6)
+    assert not plan(narrow_values)["fast_path"]  # its copies and rows are one head size for K and V
+    run_decode(narrow_values)
     # An 8-byte row (head 8, fp8) has no whole 16-byte copy: the choice must not divide by its 0 copies
     # (it did: SIGFPE in the binding, found by test_ops' random shapes).
     tiny = make_case([9], num_heads=2, num_kv_heads=1, head_size=8, block_size=16, cache_dtype=torch.float8_e4m3fn,

@@ -30,12 +30,12 @@
 //  * Softmax rescale once per step of decode_rows_per_step tokens per token group (the default tile
 //    is one step), not per token.
 //  * The common case compiled on its own: decode_kernel<..., kFast = true, kScoreMods> (plan.h
-//    decode_fast_path: 16-byte copies, head 64 / 128 / 256 for keys and values, any block size)
-//    has none of the other cases' code in its KV loop: the copies unrolled at a constant
-//    pitch, fp8 scales moved onto q and the accumulators, exp2 by one
-//    ex2.approx (exp2_approx). The soft-cap and ALiBi are compiled into it only in its kScoreMods
-//    instances (caches of the query's dtype: Gemma 2's soft-cap, ALiBi models); the general loop
-//    (decode_kernel<..., false, true>) keeps every case. Everything else (windows, sinks, lse,
+//    decode_fast_path: 16-byte copies, keys and values of one head size up to the lanes' 8 x TPT, any
+//    block size) has none of the other cases' code in its KV loop: the copies unrolled at a constant
+//    pitch, fp8 scales moved onto q and the accumulators, exp2 by one ex2.approx (exp2_approx). The
+//    soft-cap and ALiBi are compiled into it only in its kScoreMods instances (caches of the query's
+//    dtype: Gemma 2's soft-cap, ALiBi models); the general loop (decode_kernel<..., false, true>) keeps
+//    every case. Everything else (windows, sinks, lse,
 //    split-KV) acts outside the loop and takes either kernel. The fast loop sums a step's dot
 //    products over the token group by recursive halving (reduce_scatter_scores: each lane ends with
 //    its share of the sums, the score modifiers applied there once per score) and hands every
@@ -570,20 +570,34 @@ __device__ __forceinline__ void copy_tile_rows(unsigned char* dst, const char* s
   }
 }
 
-// The fast path's copy of rows [0, n) of a tile (plan.h decode_fast_path): rows of kUnits 16-byte
-// copies (kUnits <= threads, so a pass copies threads / kUnits whole rows, one unit per thread) and
-// at most kPasses rows per thread, so the loop is unrolled (bench/sass.py then counts every copy of
-// an iteration) and the layout is recomputed from threadIdx rather than held in registers.
+// The fast path's copy of rows [0, n) of a tile (plan.h decode_fast_path): rows staged kUnits 16-byte
+// units apart (the lanes' width), of which the head's `units` <= kUnits are copied, one unit a thread
+// (kUnits <= threads, so a pass covers threads / kUnits whole rows) and at most kPasses rows per
+// thread, so the loop is unrolled (bench/sass.py then counts every copy of an iteration) and the
+// layout is recomputed from threadIdx rather than held in registers.
 template <int kPasses, int kUnits>
 __device__ __forceinline__ void copy_tile_rows_fixed(unsigned char* dst, const char* src, const int64_t* offsets,
-                                                     int which, int n) {
+                                                     int which, int n, int units) {
   const int tid = int(threadIdx.x), rows_per_pass = int(blockDim.x) / kUnits;
   const int row0 = tid / kUnits, unit = tid % kUnits;
-  if (row0 >= rows_per_pass) return;  // threads past the last whole row
+  if (row0 >= rows_per_pass || unit >= units) return;  // threads past the last whole row, or the row's end
 #pragma unroll
   for (int i = 0; i < kPasses; ++i) {
     const int r = row0 + i * rows_per_pass;
     if (r < n) copy_async(dst + size_t(r) * (kUnits * 16) + unit * 16, src + offsets[2 * r + which] + unit * 16, 16);
+  }
+}
+
+// The fast loop's staged K rows are its lanes' width (pitch bytes) and a head may be narrower (80, 96 or
+// 112 on 16 lanes): the copies leave each row's tail [row_bytes, pitch) unwritten, and the lanes past
+// the head multiply their q of 0 into it, so it is zeroed once, in every stage, before the ring starts
+// (no copy writes it). V's tails are not read (compute_pv skips lanes past Dv).
+__device__ __forceinline__ void zero_row_tails(unsigned char* ring, int stage_bytes, int C, int pitch, int row_bytes) {
+  if (row_bytes == pitch) return;
+  for (int i = threadIdx.x; i < kDecodeStages * C; i += blockDim.x) {
+    const int stage = i / C;
+    unsigned char* row = ring + size_t(stage) * stage_bytes + size_t(i - stage * C) * pitch;
+    for (int b = row_bytes; b < pitch; b += 16) *reinterpret_cast<uint4*>(row + b) = make_uint4(0u, 0u, 0u, 0u);
   }
 }
 
@@ -618,7 +632,7 @@ PAGED_HOST_DEVICE constexpr int decode_wide_kernel_rows_per_step() {
 // One block of the decode kernels (decode_kernel, decode_wide_kernel below): TPT lanes per token,
 // G heads per token group, KC chunks of q / K and VC chunks of V per lane (chunk_dim), kRows token
 // rows per step. sh: the launch shape (plan_decode, kernels/plan.h). kFast: the plan's fast_path
-// (plan.h decode_fast_path: 16-byte copies, head 64 / 128 / 256), so the KV loop is compiled without
+// (plan.h decode_fast_path: 16-byte copies, one head size for K and V), so the KV loop is compiled without
 // the code of the other cases; kScoreMods: the soft-cap and ALiBi are compiled in (always in the
 // general loop; in the fast one where the plan's score_mods says so).
 template <typename T, typename KV, int TPT, int G, int KC, int VC, int kRows, bool kFast, bool kScoreMods>
@@ -692,7 +706,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   // Shared memory: [kDecodeStages][C][2] int64 offsets, then per stage (sh.stage_bytes) C K rows
   // and, sh.v_rows bytes after them, C V rows; sh.v_rows = 0: V is the first Dv columns of K's rows
   // (one latent, absorbed MLA), read from the staged K rows and never copied itself.
-  // The fast path's rows are exactly 8 x TPT elements (plan.h decode_fast_path): a constant pitch.
+  // The fast path stages rows at its lanes' 8 x TPT elements (plan.h decode_fast_path): a constant pitch.
   const int C = sh.tile_tokens, pitch = kFast ? 8 * TPT * int(sizeof(KV)) : sh.pitch;
   int64_t* const offsets = reinterpret_cast<int64_t*>(smem);
   unsigned char* const ring = smem + decode_offsets_bytes(C);
@@ -722,7 +736,8 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     unsigned char* kdst = ring + size_t(stage) * sh.stage_bytes;
     unsigned char* vdst = kdst + sh.v_rows;
     constexpr int kFastUnits = TPT * int(sizeof(KV)) / 2;  // 8 x TPT elements a row, 16 bytes a unit
-    if constexpr (kFast) copy_tile_rows_fixed<kFastCopyPasses, kFastUnits>(kdst, kbase, off, 0, n);
+    if constexpr (kFast)
+      copy_tile_rows_fixed<kFastCopyPasses, kFastUnits>(kdst, kbase, off, 0, n, D * int(sizeof(KV)) / 16);
     else if (wide) copy_tile_rows<16>(kdst, kbase, off, 0, n, pitch, tc, 16, tc.units);
     else copy_tile_rows<0>(kdst, kbase, off, 0, n, pitch, tc, sh.copy_bytes, tc.units);
     cp_async_commit();
@@ -732,7 +747,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     // rounds on sm_90 at G = 4).
     if (KC == 1 || copy_v) {
       const int vrow_bytes = Dv * int(sizeof(KV));
-      if constexpr (kFast) copy_tile_rows_fixed<kFastCopyPasses, kFastUnits>(vdst, vbase, off, 1, n);
+      if constexpr (kFast) copy_tile_rows_fixed<kFastCopyPasses, kFastUnits>(vdst, vbase, off, 1, n, vrow_bytes / 16);
       else if (wide) copy_tile_rows<16>(vdst, vbase, off, 1, n, pitch, tc, 16, vrow_bytes / 16);
       else copy_tile_rows<0>(vdst, vbase, off, 1, n, pitch, tc, sh.copy_bytes, vrow_bytes / sh.copy_bytes);
     }
@@ -744,6 +759,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   // Token rows of a tile per token group, in steps of kRows (one rescale a step).
   const int rows_per_group = ceil_div(C, gpt);
   for (int j = 0; j < kDecodeStages; ++j) locate(j);
+  if constexpr (kFast) zero_row_tails(ring, sh.stage_bytes, C, pitch, D * int(sizeof(KV)));
   __syncthreads();  // the first tiles' offsets, for every thread's copies
   for (int j = 0; j < kDecodeStages - 1; ++j) issue(j);
   // In a cluster: every block has started, so its inbox may be written (push_partial); here, while

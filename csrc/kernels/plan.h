@@ -157,16 +157,22 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
 // fp8 scales act outside it and take either path. Everything the choice
 // reads is known to the host, so it is made once per call, and the loop nvcc compiles for the common
 // case holds none of the other cases' code (bench/sass.py reads it on its own).
-// Its rows are exactly the lanes' 8 x TPT elements (head sizes 64, 128, 256, keys and values alike:
-// a constant pitch, no idle lane), and each thread copies at most kFastCopyPasses rows of a tile
-// (the default tiles: 4 at 128 threads), so the copies are unrolled.
+// Keys and values of one head size whose rows are whole 16-byte copies, up to the lanes' 8 x TPT
+// elements (decode_fast_rows): the rows are staged at the lanes' width, a constant pitch (plan_decode_shape
+// sets it), so a narrower head (80, 96, 112 on 16 lanes; 40 or 48 on 8; 192 on 32) idles its lanes past
+// the head and leaves each staged row a tail that decode.cuh zero_row_tails zeroes once. Each thread
+// copies at most kFastCopyPasses rows of a tile (the default tiles: 4 at 128 threads), so the copies
+// are unrolled.
 constexpr int kFastCopyPasses = 4;
+inline bool decode_fast_rows(const AttentionParams& p, int copy_bytes, int tpt) {
+  return copy_bytes == 16 && p.value_head_size == p.head_size && p.head_size <= 8 * tpt;
+}
 inline bool decode_fast_path(const AttentionParams& p, const DecodeShape& sh, int threads, int tpt) {
   const bool score_mods = p.softcap != 0.f || p.alibi_slopes != nullptr;
-  if ((score_mods && p.cache_dtype != p.dtype) || sh.copy_bytes != 16) return false;
-  const int row_bytes = int(p.head_size) * dtype_bytes(p.cache_dtype);
-  if (p.head_size != 8 * tpt || p.value_head_size != p.head_size || sh.pitch != row_bytes) return false;
-  const int units = row_bytes / 16;  // >= 4: heads of 64+ elements
+  if ((score_mods && p.cache_dtype != p.dtype) || !decode_fast_rows(p, sh.copy_bytes, tpt)) return false;
+  const int lane_bytes = 8 * tpt * dtype_bytes(p.cache_dtype);  // the lanes' row: the loop's constant pitch
+  if (sh.pitch != lane_bytes) return false;
+  const int units = lane_bytes / 16;  // >= 4: lanes of 64+ elements
   if (units > threads) return false;
   const int rows_per_pass = threads / units;
   return (sh.tile_tokens + rows_per_pass - 1) / rows_per_pass <= kFastCopyPasses;
@@ -198,6 +204,7 @@ inline void plan_decode_shape(const AttentionParams& p, const LaunchConfig& cfg,
   const int elem = dtype_bytes(p.cache_dtype);
   sh.pitch = (p.head_size * elem + 15) / 16 * 16;
   sh.copy_bytes = widest_kv_row_copy(p);
+  if (!wide && decode_fast_rows(p, sh.copy_bytes, pl.tpt)) sh.pitch = 8 * pl.tpt * elem;  // the lanes' row
   const bool v_in_k = wide && values_in_key_rows(p);  // decode.cuh: the narrow kernels always copy V
   const int token_bytes = (v_in_k ? 1 : 2) * sh.pitch;  // of one token in a stage
   const int budget = cfg.kv_tile > 0 ? kMaxDecodeStageBytes : kDecodeStageBytes;
