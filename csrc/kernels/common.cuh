@@ -202,6 +202,11 @@ inline void dispatch_cache(DType act, DType cache, F&& f) {
 
 // ---- scalar conversions ------------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float float_from_bits(uint32_t bits) {
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
 #ifdef PAGED_EMU
 // cuda_fp16's host conversion returns a canonical (positive) NaN; the GPU's cvt.f32.f16 (and torch)
 // keep a NaN's sign and payload. Widen the bits exactly, so the emulator's bytes match the GPU's.
@@ -390,6 +395,16 @@ __device__ __forceinline__ void load8(const T* p, float (&o)[8], bool aligned, f
       const float4 a = reinterpret_cast<const float4*>(p)[0];
       const float4 b = reinterpret_cast<const float4*>(p)[1];
       o[0] = a.x, o[1] = a.y, o[2] = a.z, o[3] = a.w, o[4] = b.x, o[5] = b.y, o[6] = b.z, o[7] = b.w;
+    } else if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      // A bf16 is a float's top half: a pair's low element is its word shifted up, its high one the word
+      // masked, one instruction each (through __bfloat162float nvcc moved the high one down and back up).
+      const uint4 u = *reinterpret_cast<const uint4*>(p);
+      const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        o[2 * i] = float_from_bits(w[i] << 16);
+        o[2 * i + 1] = float_from_bits(w[i] & 0xffff0000u);
+      }
     } else if constexpr (sizeof(T) == 2) {
       const uint4 u = *reinterpret_cast<const uint4*>(p);
       T h[8];

@@ -787,15 +787,13 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
         float v[N];
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
-          const int r = tg_in_tile + (i0 + i) * gpt;
-          const bool valid = gcount > 0 && i0 + i < rows_per_group && r < n;
+          // Every row is read, a row past the tile's (r >= n: a stale or never-written row of the stage,
+          // no copy in flight to it) too: its sums stay in its own scores, which become -inf below, so
+          // no branch and no zeroed k; clamped to the stage's last row, which no step passes by more
+          // than kRows x groups_per_tile rows.
+          const int r = min(tg_in_tile + (i0 + i) * gpt, C - 1);
           float k[8];
-          if (valid) {
-            load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
-          } else {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) k[e] = 0.f;
-          }
+          load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
 #pragma unroll
           for (int g = 0; g < G; ++g) {
             float d = 0.f;
