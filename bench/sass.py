@@ -412,7 +412,8 @@ def in_flight_bytes(body) -> tuple[int, int]:
 def main_loop(instrs) -> dict | None:
     """The KV loop: the innermost loop holding >= half the global-load bytes of the heaviest loop and
     >= half the kernel's math (its HMMA / HGMMA, or FFMA without tensor cores), so a staging loop
-    nested in the KV loop is not taken for it."""
+    nested in the KV loop is not taken for it; then any loop nested in that one that loads and holds
+    >= half its math (the KV loop inside a row tile loop whose own loads weigh more)."""
     tensor = any(i[1].startswith(("HMMA", "HGMMA")) for i in instrs)
     found, loads, math_ops = loops(instrs), [0], [0]
     for ins in instrs:
@@ -423,7 +424,14 @@ def main_loop(instrs) -> dict | None:
         return None
     heaviest = max(x[2] for x in spans)
     candidates = [x for x in spans if x[2] * 2 >= heaviest]
-    s, e, nbytes, _ = next((x for x in candidates if x[3] * 2 >= math_ops[-1]), candidates[0])
+    s, e, nbytes, math = next((x for x in candidates if x[3] * 2 >= math_ops[-1]), candidates[0])
+    # Then inward: a loop nested in the one found that loads from global memory and holds >= half its
+    # math runs many times a pass of the outer one: it is the KV loop (a prefill row tile's own loads,
+    # its Q rows and ALiBi slopes, outweigh one KV tile's over an fp8 cache at head 64; a staging loop
+    # nested in a KV loop holds no math).
+    while inner := next((x for x in spans if s <= x[0] and x[1] <= e and (x[0], x[1]) != (s, e)
+                         and x[3] * 2 >= math > 0 and x[2] > 0), None):
+        s, e, nbytes, math = inner
     body = instrs[s : e + 1]
     peak, rounds = in_flight_bytes(body)
     return dict(start=hex(instrs[s][0]), end=hex(instrs[e][0]), instructions=len(body), bytes_per_warp=nbytes,

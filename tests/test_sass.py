@@ -354,6 +354,28 @@ def test_parse_mix_and_loop():
     assert loop["dependent_load_rounds"] == 1  # both LDGs issued before the one wait
 
 
+def test_main_loop_is_the_kv_loop_inside_a_heavier_row_tile_loop():
+    """A prefill row tile loads its Q rows (and slopes) once, then runs the KV loop many times: where the
+    row tile's own loads outweigh one KV tile's (fp8 caches at head 64 with the score modifiers), the
+    KV loop nested in it, holding the math, is still the main loop (the row tile loop was taken)."""
+    nested = [
+        (0x00, "LDG.E.128 R4, desc[UR4][R2.64]", 7, 0),  # row tile: Q rows, 3 x 512 B
+        (0x10, "LDG.E.128 R8, desc[UR4][R2.64+0x10]", 7, 0),
+        (0x20, "LDG.E.128 R12, desc[UR4][R2.64+0x20]", 7, 0),
+        (0x30, "LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64]", 7, 0),  # KV loop: one 512 B copy
+        (0x40, "HMMA.16816.F32.BF16 R8, R12, R14, R8", 7, 0),
+        (0x50, "LDS R9, [R3]", 7, 0),  # a staging loop in the KV loop: loads, no math
+        (0x60, "@P2 BRA 0x50", 7, 0),
+        (0x70, "@P1 BRA 0x30", 7, 0),
+        (0x80, "STG.E.128 desc[UR4][R2.64], R4", 7, 0),
+        (0x90, "@P0 BRA 0x0", 7, 0),
+        (0xA0, "EXIT", 7, 0),
+    ]
+    instrs = sass.counted(sass.parse_sass(_cuobjdump_text(nested), "sm_90")[("sm_90", "_Z4loopv")])
+    loop = sass.main_loop(instrs)
+    assert (loop["start"], loop["end"], loop["bytes_per_warp"], loop["nested_loops"]) == ("0x30", "0x70", 512, 1)
+
+
 def test_tile_path():
     """An edge / interior split in the loop: the interior tile falls through and jumps over the edge body
     to the latch; the cold code after the edge body is off the path too."""
