@@ -642,7 +642,7 @@ DECODE_SHAPES = [("64 x 4096, 32 / 8 heads", 64, 4096, 32, 8, 16, 128),
                  ("64 x 4096, 32 / 8 heads, head 96", 64, 4096, 32, 8, 16, 96)]
 PLAN_FIELDS = ("grid_x", "grid_y", "grid_z", "threads", "split", "partition_size", "heads_per_thread",
                "tile_tokens", "smem", "blocks_per_sm", "fast_path", "score_mods",
-               "cluster_blocks")  # csrc/cuda_emu/backend.cpp decode_plan
+               "cluster_blocks", "tpt")  # csrc/cuda_emu/backend.cpp decode_plan
 
 
 def decode_plan(num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, sms: int, head: int = 128,
@@ -721,8 +721,7 @@ def decode_call_rows(rows: list[dict], latency_ns: float = DEFAULT_LATENCY_NS,
         if plan is None:
             return []
         fast, mods = bool(plan["fast_path"]), bool(plan["score_mods"] or not plan["fast_path"])
-        tpt = next(t for t in (8, 16, 32) if 8 * t >= head)  # plan.h lanes_per_token
-        args = ["__nv_bfloat16", "__nv_bfloat16", str(tpt), str(plan["heads_per_thread"]), str(fast).lower(),
+        args = ["__nv_bfloat16", "__nv_bfloat16", str(plan["tpt"]), str(plan["heads_per_thread"]), str(fast).lower(),
                 str(mods).lower()]
         row = next((r for r in rows if r["arch"] == "sm_90" and r["family"] == "decode_kernel" and r["args"] == args
                     and "warps" in r and "issue_share" in r.get("loop", {})), None)

@@ -161,7 +161,7 @@ int64_t decode_rows_per_step(int64_t cache_bytes) {
 
 // The decode plan (kernels/plan.h) decode_attention_config would launch with: [grid_x, grid_y,
 // grid_z, threads, split, partition_size, heads_per_thread, tile_tokens, smem bytes, blocks_per_sm,
-// fast_path, score_mods, cluster_blocks], for a call with this soft-cap and these ALiBi slopes.
+// fast_path, score_mods, cluster_blocks, tpt], for a call with this soft-cap and these ALiBi slopes.
 std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const Tensor& key_cache,
                                  const Tensor& value_cache, const Tensor& block_tables, const Tensor& seq_lens,
                                  at::IntArrayRef config, double softcap, const std::optional<Tensor>& alibi_slopes) {
@@ -174,7 +174,7 @@ std::vector<int64_t> decode_plan(const Tensor& out, const Tensor& query, const T
                                        1.0, true, std::nullopt, std::nullopt, variants);
   const paged::DecodePlan pl = paged::plan_decode(p, paged::binding::config_from_list(config));
   return {pl.grid_x, pl.grid_y, pl.grid_z, pl.threads, pl.split, pl.partition_size, pl.heads_per_thread,
-          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm, pl.fast_path, pl.score_mods, pl.sh.cluster_blocks};
+          pl.sh.tile_tokens, int64_t(pl.smem), pl.blocks_per_sm, pl.fast_path, pl.score_mods, pl.sh.cluster_blocks, pl.tpt};
 }
 
 }  // namespace

@@ -1129,7 +1129,6 @@ __global__ void __launch_bounds__(128) prefill_tc_pipelined_kernel(AttentionPara
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           mx[mt][0] = mx[mt][1] = -INFINITY;
-#pragma unroll
           if constexpr (kScoreMods) {
             // The soft-cap (block-uniform: one branch a tile) by one multiply into tanh, then the ALiBi
             // bias slope (key - pos) as the bias of the lane's key 0 plus slope times the key's
