@@ -38,9 +38,10 @@
 //    every case. Everything else (windows, sinks, lse,
 //    split-KV) acts outside the loop and takes either kernel. The fast loop sums a step's dot
 //    products over the token group by recursive halving (reduce_scatter_scores: each lane ends with
-//    its share of the sums, the score modifiers applied there once per score) and hands every
-//    score back by indexed shuffles (but at G = 1 without modifiers); the general loop's compute_qk
-//    copies every sum to every lane.
+//    its share of the sums, the score modifiers and the row mask applied there once per score; at
+//    G > 1 each lane computes its scores in its own order, so the halving picks no halves) and hands
+//    every score back by indexed shuffles (but at G = 1 without modifiers); the general loop's
+//    compute_qk copies every sum to every lane.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -224,20 +225,22 @@ __device__ __forceinline__ int chunk_dim(int d0, int c) {
 }
 
 // This lane's KC chunks of `gcount` query heads from `head0` (head size Dk), pre-scaled
-// (query_multiplier); zeros for the heads past gcount and for idle chunks.
+// (query_multiplier); zeros for the heads past gcount and for idle chunks. q[g] is head g ^ head_xor
+// (the fast loop's scores in its own order: reduce_scatter_scores).
 template <typename T, int G, int TPT, int KC>
 __device__ __forceinline__ void load_q(float (&q)[G][KC * 8], const AttentionParams& p, int64_t row, int head0,
-                                       int gcount, int d0, int Dk, float kscale = 1.f) {
+                                       int gcount, int d0, int Dk, float kscale = 1.f, int head_xor = 0) {
   const float qmul = query_multiplier(p) * kscale;  // kscale: K's fp8 scale moved onto q (the fast path)
   const T* qrow = static_cast<const T*>(p.query) + row * p.q_stride_token + d0;
 #pragma unroll
   for (int g = 0; g < G; ++g) {
 #pragma unroll
     for (int c = 0; c < KC; ++c) {
-      const bool on = g < gcount && chunk_dim<TPT>(d0, c) < Dk;
+      const int h = g ^ head_xor;
+      const bool on = h < gcount && chunk_dim<TPT>(d0, c) < Dk;
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        q[g][c * 8 + i] = on ? to_float(qrow[(head0 + g) * p.q_stride_head + c * 8 * TPT + i]) * qmul : 0.f;
+        q[g][c * 8 + i] = on ? to_float(qrow[(head0 + h) * p.q_stride_head + c * 8 * TPT + i]) * qmul : 0.f;
     }
   }
 }
@@ -265,18 +268,21 @@ __device__ __forceinline__ void compute_qk(const float (&q)[G][8], const float (
 // butterfly takes N log2(TPT), and what follows a sum (the soft-cap's tanh, ALiBi) is computed once
 // per score, by its owner, rather than by all TPT lanes. After it, lane `sub` holds kOwn whole sums in
 // v[0, kOwn): scores [first_owned_score(sub), + kOwn); with N < TPT, TPT / N lanes hold each one.
+// kInOwnOrder: the lane computed score n into v[n ^ first_owned_score(sub)], so every round keeps the
+// lower half and sends the upper (the partner's upper half is this lane's lower: their orders differ
+// in the round's bit) and no select picks the halves (two a shuffle otherwise).
 template <int TPT, int N>
 constexpr int kOwnedScores = N >= TPT ? N / TPT : 1;
 template <int TPT, int N>
 __device__ __forceinline__ int first_owned_score(int sub) {
   return N >= TPT ? sub * (N / TPT) : sub / (TPT / N);
 }
-template <int TPT, int N, int kOffset = TPT / 2, int kLeft = N>
+template <int TPT, int N, bool kInOwnOrder, int kOffset = TPT / 2, int kLeft = N>
 __device__ __forceinline__ void reduce_scatter_scores(float (&v)[N], int sub) {
   if constexpr (kOffset > 0) {
     constexpr int h = kLeft > 1 ? kLeft / 2 : 1;
     if constexpr (kLeft > 1) {
-      const bool upper = (sub & kOffset) != 0;
+      const bool upper = !kInOwnOrder && (sub & kOffset) != 0;
 #pragma unroll
       for (int j = 0; j < h; ++j) {
         const float send = upper ? v[j] : v[j + h];
@@ -286,7 +292,7 @@ __device__ __forceinline__ void reduce_scatter_scores(float (&v)[N], int sub) {
     } else {
       v[0] += __shfl_xor_sync(kFullMask, v[0], kOffset);
     }
-    reduce_scatter_scores<TPT, N, kOffset / 2, h>(v, sub);
+    reduce_scatter_scores<TPT, N, kInOwnOrder, kOffset / 2, h>(v, sub);
   }
 }
 // Every lane gets every score back from its owner: N indexed shuffles within the token group.
@@ -608,8 +614,7 @@ __device__ __forceinline__ void locate_tile(int64_t* offsets, const PagedKV<KV>&
                                             int n, const FastDivmod& by_block) {
   for (int r = threadIdx.x; r < n; r += blockDim.x) {
     const int t = t0 + r;
-    const int blk_idx = by_block.div(t);
-    const int off = t - blk_idx * by_block.d;
+    const int blk_idx = by_block.div(t), off = by_block.mod(t);
     const int64_t blk = K.block_table[blk_idx];
     offsets[2 * r] = (blk * K.stride_block + int64_t(off) * K.stride_token) * int64_t(sizeof(KV));
     offsets[2 * r + 1] = (blk * V.stride_block + int64_t(off) * V.stride_token) * int64_t(sizeof(KV));
@@ -691,7 +696,13 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   const float cache_vscale = cache_scale(p.v_scale, p.v_scale_seq_stride, p.v_scale_head_stride, seq, kvh);
   const float kscale = kFast ? 1.f : cache_kscale, vscale = kFast ? 1.f : cache_vscale;
   float q[G][KC * 8];
-  load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f);
+  // The fast loop's scores by recursive halving (reduce_scatter_scores), computed in the lane's own
+  // order where G > 1: score n = (row i, head g) of a step into v[n ^ score_xor], so q[g] holds head
+  // g ^ (score_xor % G) and row slot i reads row i ^ (score_xor / G) (G and the step's rows are powers of
+  // two). Not at G = 1: its rows' permuted addresses cost more than the selects they save.
+  constexpr bool kHalving = kFast && (G > 1 || kScoreMods), kInOwnOrder = kHalving && G > 1;
+  const int score_xor = kInOwnOrder ? first_owned_score<TPT, kRows * G>(sub) : 0;
+  load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f, score_xor % G);
   ScoreMod<G> mod;
   if constexpr (kScoreMods) mod.init(p, head0 + tile * G, rs.pos);
   if constexpr (kScoreMods) {
@@ -778,7 +789,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     const int t0 = start + c * C, n = tile_rows(c);
     for (int i0 = 0; i0 < rows_per_group; i0 += kRows) {  // block-uniform bound
       float s[kRows][G];
-      if constexpr (kFast && (G > 1 || kScoreMods)) {
+      if constexpr (kHalving) {
         // Partial dots of every row, their sums spread over the token group, the score modifiers on
         // the lane's own sums, every score back to every lane (reduce_scatter_scores). Not at G = 1
         // without modifiers: a handful of shuffles saved there, and every row's partial dots live at
@@ -791,7 +802,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
           // no copy in flight to it) too: its sums stay in its own scores, which become -inf below, so
           // no branch and no zeroed k; clamped to the stage's last row, which no step passes by more
           // than kRows x groups_per_tile rows.
-          const int r = min(tg_in_tile + (i0 + i) * gpt, C - 1);
+          const int r = min(tg_in_tile + (i0 + (i ^ score_xor / G)) * gpt, C - 1);
           float k[8];
           load8(reinterpret_cast<const KV*>(kt + size_t(r) * pitch) + d0, k, true, kscale);
 #pragma unroll
@@ -802,24 +813,24 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
             v[i * G + g] = d;
           }
         }
-        reduce_scatter_scores<TPT, N>(v, sub);
-        if constexpr (kScoreMods) {
-          const int first = first_owned_score<TPT, N>(sub);
+        reduce_scatter_scores<TPT, N, kInOwnOrder>(v, sub);
+        // The owner's scores: the modifiers, then -inf where the row is past the tile or the head past
+        // gcount (once a score here, not once a score on every lane after the gather).
+        const int first = first_owned_score<TPT, N>(sub);
 #pragma unroll
-          for (int j = 0; j < kOwnedScores<TPT, N>; ++j) {
-            const int i = (first + j) / G, g = (first + j) % G;
-            if (g < gcount) v[j] = mod.template apply_one<sizeof(T) == 2>(v[j], g, t0 + tg_in_tile + (i0 + i) * gpt);
+        for (int j = 0; j < kOwnedScores<TPT, N>; ++j) {
+          const int i = (first + j) / G, g = (first + j) % G, r = tg_in_tile + (i0 + i) * gpt;
+          if constexpr (kScoreMods) {
+            if (g < gcount) v[j] = mod.template apply_one<sizeof(T) == 2>(v[j], g, t0 + r);
           }
+          v[j] = g < gcount && i0 + i < rows_per_group && r < n ? v[j] : -INFINITY;
         }
         float all[N];
         gather_scores<TPT, N>(v, all);
 #pragma unroll
-        for (int i = 0; i < kRows; ++i) {
-          const int r = tg_in_tile + (i0 + i) * gpt;
-          const bool valid = gcount > 0 && i0 + i < rows_per_group && r < n;
+        for (int i = 0; i < kRows; ++i)
 #pragma unroll
-          for (int g = 0; g < G; ++g) s[i][g] = valid ? all[i * G + g] : -INFINITY;
-        }
+          for (int g = 0; g < G; ++g) s[i][g] = all[i * G + g];
       } else {
 #pragma unroll
       for (int i = 0; i < kRows; ++i) {
