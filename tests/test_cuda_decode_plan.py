@@ -13,7 +13,7 @@ import torch
 
 import paged_ops
 from bench.sass import PLAN_FIELDS  # backend.cpp decode_plan
-from paged_ops.testing import assert_close, make_case, nan_like, poison
+from paged_ops.testing import assert_close, assert_lse_close, make_case, nan_like, poison
 
 if "cuda_emu" not in paged_ops.available_backends():  # optional: built only where CUDA's headers are
     pytest.skip("the cuda_emu backend is not built", allow_module_level=True)
@@ -222,6 +222,37 @@ def test_heads_narrower_than_their_lanes(head_size, cache_dtype, group):
         out = nan_like(case.query)
         selftest.decode_attention_config(*case.decode_args(out), config_list(), **kw)
         assert_close(out, case.reference_decode_lse(**kw)[0], case.dtype)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("group", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split", [False, True])
+def test_the_owners_softmax_follows_a_rising_max(head_size, group, dtype, split):
+    # The fast loop's softmax is computed by each score's owner (decode.cuh OwnedSoftmax): a head's max
+    # over a step's rows by shuffles among its owners, the running max and sum per owned score, the sums
+    # of a head's owners added at the end. Keys scaled up along the sequence (1 + t / 8) move the max of
+    # every head whose q . k is positive into the latest steps (by up to a hundred in the exponent, so
+    # the earlier steps' rescales underflow) and keep it in the first ones for the others; the out and
+    # lse against the float64 reference, a partial head tile (group 3), rows past the tile, split.
+    # Lanes per token 8, 16, 32 (heads 64, 128, 256): two scores a lane, one, one held by two lanes.
+    case = make_case([3, 70, 301], num_heads=2 * group, num_kv_heads=2, head_size=head_size, block_size=16,
+                     dtype=dtype, seed=head_size + group)
+    bs = case.key_cache.shape[1]
+    for s, n in enumerate(case.seq_lens.tolist()):
+        t = torch.arange(n)
+        blocks, offsets = case.block_tables[s].long()[t // bs], t % bs
+        rising = (1 + t.double() / 8).view(-1, 1, 1)
+        case.key_cache[blocks, offsets] = (case.key_cache[blocks, offsets].double() * rising).to(dtype)
+    config = dict(force_split=1, partition_size=64) if split else dict(partition_size=-1)
+    pl = plan(case, **config)
+    assert pl["fast_path"] and pl["split"] == split and pl["heads_per_thread"] == min(group + group % 2, 4)
+    out = nan_like(case.query)
+    lse = torch.full(case.query.shape[:2], float("nan"))
+    selftest.decode_attention_config(*case.decode_args(out), config_list(**config), lse=lse)
+    want, want_lse = case.reference_decode_lse()
+    assert_close(out, want, dtype)
+    assert_lse_close(lse, want_lse, dtype)
 
 
 def test_the_fast_path_is_the_plain_loop():

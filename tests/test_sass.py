@@ -76,32 +76,34 @@ CURRENT = {
 # but in its score-mods instances below) and the general loop, which keeps every case and today's
 # CURRENT figures above. The fast loop sums a step's dot products by recursive halving
 # (decode.cuh reduce_scatter_scores: N - 1 shuffles for N scores, not N log2(TPT)) and hands them back
-# by N indexed shuffles (G = 1 without modifiers keeps the butterfly); at G > 1 each lane computes its
-# scores in its own order (q's heads and the rows it reads permuted), so the halving selects nothing,
-# and the row mask is applied by each score's owner. On sm_90 (81 instantiations, 27
+# by N indexed shuffles (G = 1 without modifiers keeps the butterfly); each score's owner applies the
+# row mask and the softmax (decode.cuh OwnedSoftmax: one exponential a score, not one a score on every
+# lane), and at G = 4 each lane computes its scores in its own order (q's heads and the rows it reads
+# permuted), so the halving selects nothing. On sm_90 (81 instantiations, 27
 # of them 16-bit or fp32 caches): 63-128 registers, no spills, 1 round of dependent loads (the block
 # table), occupancy 25-43.8%; 16-bit and
-# fp32 caches 0.09-0.19 loop instructions per byte and a static bound of 100% of 4.8 TB/s
-# (<bf16, bf16, 16, 4>, the issue's 32 / 8-head shape: 0.191, issue ceiling 114%; 0.199 and 110% with
-# the halving's selects and the mask on every gathered score; 0.213 and 102% while
+# fp32 caches 0.09-0.18 loop instructions per byte and a static bound of 100% of 4.8 TB/s
+# (<bf16, bf16, 16, 4>, the issue's 32 / 8-head shape: 0.172, issue ceiling 126%; 0.199 and 110% with
+# the halving's selects and the mask and softmax on every lane's gathered scores; 0.213 and 102% while
 # it read K rows under a branch and widened bf16's high halves in two instructions; 0.227 and 96% with
-# the butterfly before); fp8 caches 0.13-0.20 and 100% (two elements a cvt.rn.f16x2.e4m3x2 / e5m2x2: common.cuh
+# the butterfly before); fp8 caches 0.13-0.19 and 100% (two elements a cvt.rn.f16x2.e4m3x2 / e5m2x2: common.cuh
 # fp8x4_to_float), so all 81 meet the issue's targets. On sm_80 (no fp8 cvt before sm_89) fp8
-# converts by common.cuh fp8x2_to_half2_bits, 8-10 integer / half instructions a pair: 0.09-0.21
+# converts by common.cuh fp8x2_to_half2_bits, 8-10 integer / half instructions a pair: 0.08-0.19
 # instructions per byte, bound 100% of an A100's 2.039 TB/s (the library's per-element conversion it
 # replaced: 0.75 and 40% at G = 1, 2).
-# Held at 0.22 instructions per byte (the issue's 0.242 less the margin the branch-free K rows, the
-# two-instruction bf16 pair and the select-free halving won; the most now is 0.211, the G = 4
-# score-mods instances at TPT 8).
-FAST_PATH = dict(max_regs=128, max_spill_bytes=0, max_instr_per_byte=0.22, min_bandwidth_bound=0.9)
+# Held at 0.21 instructions per byte (the issue's 0.242 less the margin the branch-free K rows, the
+# two-instruction bf16 pair, the owners' softmax and the select-free halving won; the most now is
+# 0.196, the G = 4 score-mods instances at TPT 8; 0.219 before the owners' softmax).
+FAST_PATH = dict(max_regs=128, max_spill_bytes=0, max_instr_per_byte=0.21, min_bandwidth_bound=0.9)
 
 # The fast loop with the soft-cap and ALiBi compiled in (decode_kernel<T, T, TPT, G, true, true>: caches
 # of the query's dtype, 27 instantiations per arch; the general loop took those calls before, 0.22-0.35
 # of 4.8 TB/s on sm_90): the slopes from a shared-memory copy (no global load in the loop but its
 # copies: 1 round), the cap by common.cuh tanh_fast for 16-bit queries, each applied by the lane that
 # owns the score after reduce_scatter_scores (every lane of the token group capped all 16 scores of a
-# G = 4 step before: 0.308-0.331 instructions per byte, 66-71%). sm_90: 0.11-0.21, bound 100% (G = 4
-# 16-bit: 0.201-0.211; 0.207-0.219 and 99-100% before the select-free halving); sm_80 0.10-0.14, 100%. 72-128 registers, no spills: the issue's targets.
+# G = 4 step before: 0.308-0.331 instructions per byte, 66-71%). sm_90: 0.10-0.20, bound 100% (G = 4
+# 16-bit: 0.183-0.196; 0.207-0.219 and 99-100% before the owners' softmax and the select-free
+# halving); sm_80 0.09-0.14, 100%. 72-128 registers, no spills: the issue's targets.
 FAST_SCORE_MODS = FAST_PATH
 
 # Which row each family is held to. Families not named here must not spill at all.

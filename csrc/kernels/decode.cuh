@@ -38,10 +38,10 @@
 //    every case. Everything else (windows, sinks, lse,
 //    split-KV) acts outside the loop and takes either kernel. The fast loop sums a step's dot
 //    products over the token group by recursive halving (reduce_scatter_scores: each lane ends with
-//    its share of the sums, the score modifiers and the row mask applied there once per score; at
-//    G > 1 each lane computes its scores in its own order, so the halving picks no halves) and hands
-//    every score back by indexed shuffles (but at G = 1 without modifiers); the general loop's
-//    compute_qk copies every sum to every lane.
+//    its share of the sums, the score modifiers, the row mask and the softmax's exponentials applied
+//    there once per score: OwnedSoftmax; at G = 4 each lane computes its scores in its own order, so
+//    the halving picks no halves) and hands every probability back by indexed shuffles (but at G = 1
+//    without modifiers); the general loop's compute_qk copies every sum to every lane.
 //
 // Softmax is online (running max, running sum) per token group, in the log2 domain (exp2 is one
 // instruction; q is pre-multiplied by scale * log2(e)). The token groups' partial states are merged
@@ -295,7 +295,8 @@ __device__ __forceinline__ void reduce_scatter_scores(float (&v)[N], int sub) {
     reduce_scatter_scores<TPT, N, kInOwnOrder, kOffset / 2, h>(v, sub);
   }
 }
-// Every lane gets every score back from its owner: N indexed shuffles within the token group.
+// Every lane gets every score (or probability) back from its owner: N indexed shuffles within the
+// token group.
 template <int TPT, int N>
 __device__ __forceinline__ void gather_scores(const float (&v)[N], float (&s)[N]) {
   constexpr int kOwn = kOwnedScores<TPT, N>;
@@ -303,6 +304,55 @@ __device__ __forceinline__ void gather_scores(const float (&v)[N], float (&s)[N]
   for (int n = 0; n < N; ++n)
     s[n] = __shfl_sync(kFullMask, v[n % kOwn], N >= TPT ? n / kOwn : n * (TPT / N), TPT);
 }
+
+// The fast loop's online softmax by the scores' owners (after reduce_scatter_scores; update_softmax's
+// rules). Per owned score: its head's max over the step's rows (the owners of one head's rows differ in
+// the lane bits from kRowLanes = G x TPT / N up: two shuffles at G = 4 over 16 lanes), the running max m
+// and sum l of the score's head (the same m on every owner of that head; l over the lane's own rows),
+// and the score turned into its probability: one exponential a score rather than one a score on every
+// lane of the token group. rescale[g], on every lane, is head g's factor for the accumulators, from the
+// owner of score g (row 0). finish gives every lane each head's m and l (l summed over its owners).
+template <int TPT, int N, int G>
+struct OwnedSoftmax {
+  static constexpr int kOwn = kOwnedScores<TPT, N>, kRowLanes = G * TPT / N;
+  static_assert(kOwn <= G, "a lane's scores are of one row");
+  float m[kOwn], l[kOwn];
+  __device__ __forceinline__ void init() {
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) m[j] = -INFINITY, l[j] = 0.f;
+  }
+  // The lane that holds score n = row x G + g: the one whose first owned score it is or follows.
+  static constexpr int owner(int n) { return N >= TPT ? n / kOwn : n * (TPT / N); }
+  __device__ __forceinline__ void update(float (&v)[N], float (&rescale)[G]) {
+    float a[kOwn];
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) {
+      float mx = v[j];
+#pragma unroll
+      for (int o = kRowLanes; o < TPT; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+      const float mn = fmaxf(m[j], mx);
+      const float base = mn == -INFINITY ? 0.f : mn;  // ex2(-inf) = +0: update_softmax<kFast>
+      a[j] = exp2_approx(m[j] - base);
+      v[j] = exp2_approx(v[j] - base);
+      l[j] = l[j] * a[j] + v[j];
+      m[j] = mn;
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) rescale[g] = __shfl_sync(kFullMask, a[g % kOwn], owner(g), TPT);
+  }
+  __device__ __forceinline__ void finish(float (&head_m)[G], float (&head_l)[G]) {
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) {
+#pragma unroll
+      for (int o = kRowLanes; o < TPT; o *= 2) l[j] += __shfl_xor_sync(kFullMask, l[j], o);
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      head_m[g] = __shfl_sync(kFullMask, m[g % kOwn], owner(g), TPT);
+      head_l[g] = __shfl_sync(kFullMask, l[g % kOwn], owner(g), TPT);
+    }
+  }
+};
 
 // The same over KC chunks (the wide kernels): the staged key row `krow`'s chunks one by one (only one
 // chunk of k is live), the partial dots summed over the chunks, then over the TPT lanes. An invalid
@@ -697,10 +747,12 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   const float kscale = kFast ? 1.f : cache_kscale, vscale = kFast ? 1.f : cache_vscale;
   float q[G][KC * 8];
   // The fast loop's scores by recursive halving (reduce_scatter_scores), computed in the lane's own
-  // order where G > 1: score n = (row i, head g) of a step into v[n ^ score_xor], so q[g] holds head
+  // order at G = 4: score n = (row i, head g) of a step into v[n ^ score_xor], so q[g] holds head
   // g ^ (score_xor % G) and row slot i reads row i ^ (score_xor / G) (G and the step's rows are powers of
-  // two). Not at G = 1: its rows' permuted addresses cost more than the selects they save.
-  constexpr bool kHalving = kFast && (G > 1 || kScoreMods), kInOwnOrder = kHalving && G > 1;
+  // two). Not at G = 1, whose rows' permuted addresses cost more than the selects they save, nor at
+  // G = 2, where they save 1% of the loop and take fp8 caches past 96 registers (occupancy 31.25% ->
+  // 25%).
+  constexpr bool kHalving = kFast && (G > 1 || kScoreMods), kInOwnOrder = kHalving && G > 2;
   const int score_xor = kInOwnOrder ? first_owned_score<TPT, kRows * G>(sub) : 0;
   load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f, score_xor % G);
   ScoreMod<G> mod;
@@ -765,8 +817,10 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     cp_async_commit();
   };
 
-  OnlineSoftmax<G, VC> st;
+  OnlineSoftmax<G, VC> st;  // its m and l: OwnedSoftmax's in the fast loop's halving, until the merge
   st.init();
+  OwnedSoftmax<TPT, kRows * G, G> owned;
+  owned.init();
   // Token rows of a tile per token group, in steps of kRows (one rescale a step).
   const int rows_per_group = ceil_div(C, gpt);
   for (int j = 0; j < kDecodeStages; ++j) locate(j);
@@ -790,8 +844,9 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
     for (int i0 = 0; i0 < rows_per_group; i0 += kRows) {  // block-uniform bound
       float s[kRows][G];
       if constexpr (kHalving) {
-        // Partial dots of every row, their sums spread over the token group, the score modifiers on
-        // the lane's own sums, every score back to every lane (reduce_scatter_scores). Not at G = 1
+        // Partial dots of every row, their sums spread over the token group, the score modifiers, the
+        // mask and the softmax on the lane's own sums (OwnedSoftmax), every probability back to every
+        // lane (reduce_scatter_scores, gather_scores). Not at G = 1
         // without modifiers: a handful of shuffles saved there, and every row's partial dots live at
         // once cost 20-odd registers (an fp8 cache's occupancy 43.8% -> 31.2% on sm_90).
         constexpr int N = kRows * G;
@@ -825,6 +880,14 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
           }
           v[j] = g < gcount && i0 + i < rows_per_group && r < n ? v[j] : -INFINITY;
         }
+        // The owners' softmax, then every probability back to every lane for P V.
+        float rescale[G];
+        owned.update(v, rescale);
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+#pragma unroll
+          for (int e = 0; e < VC * 8; ++e) st.acc[g][e] *= rescale[g];
+        }
         float all[N];
         gather_scores<TPT, N>(v, all);
 #pragma unroll
@@ -857,7 +920,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
         }
       }
       }
-      st.template update_softmax<kFast>(s);
+      if constexpr (!kHalving) st.template update_softmax<kFast>(s);
       if (i0 == 0) {
         cp_async_wait<2 * kDecodeStages - 2>();  // V(c) landed (tile c + kDecodeStages - 1 may fly)
         __syncthreads();                         // ... for everybody
@@ -880,6 +943,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   }
   cp_async_wait<0>();  // only empty groups are left; none may be in flight at exit
   __syncthreads();     // the ring is idle: the merge scratch reuses it
+  if constexpr (kHalving) owned.finish(st.m, st.l);
   if constexpr (kFast && sizeof(KV) == 1) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
