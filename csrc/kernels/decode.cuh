@@ -277,6 +277,11 @@ template <int TPT, int N>
 __device__ __forceinline__ int first_owned_score(int sub) {
   return N >= TPT ? sub * (N / TPT) : sub / (TPT / N);
 }
+// The lane of the token group that holds score n (the first of its holders where TPT / N hold each).
+template <int TPT, int N>
+constexpr int score_owner(int n) {
+  return N >= TPT ? n / kOwnedScores<TPT, N> : n * (TPT / N);
+}
 template <int TPT, int N, bool kInOwnOrder, int kOffset = TPT / 2, int kLeft = N>
 __device__ __forceinline__ void reduce_scatter_scores(float (&v)[N], int sub) {
   if constexpr (kOffset > 0) {
@@ -302,7 +307,7 @@ __device__ __forceinline__ void gather_scores(const float (&v)[N], float (&s)[N]
   constexpr int kOwn = kOwnedScores<TPT, N>;
 #pragma unroll
   for (int n = 0; n < N; ++n)
-    s[n] = __shfl_sync(kFullMask, v[n % kOwn], N >= TPT ? n / kOwn : n * (TPT / N), TPT);
+    s[n] = __shfl_sync(kFullMask, v[n % kOwn], score_owner<TPT, N>(n), TPT);
 }
 
 // The fast loop's online softmax by the scores' owners (after reduce_scatter_scores; update_softmax's
@@ -321,8 +326,6 @@ struct OwnedSoftmax {
 #pragma unroll
     for (int j = 0; j < kOwn; ++j) m[j] = -INFINITY, l[j] = 0.f;
   }
-  // The lane that holds score n = row x G + g: the one whose first owned score it is or follows.
-  static constexpr int owner(int n) { return N >= TPT ? n / kOwn : n * (TPT / N); }
   __device__ __forceinline__ void update(float (&v)[N], float (&rescale)[G]) {
     float a[kOwn];
 #pragma unroll
@@ -338,7 +341,7 @@ struct OwnedSoftmax {
       m[j] = mn;
     }
 #pragma unroll
-    for (int g = 0; g < G; ++g) rescale[g] = __shfl_sync(kFullMask, a[g % kOwn], owner(g), TPT);
+    for (int g = 0; g < G; ++g) rescale[g] = __shfl_sync(kFullMask, a[g % kOwn], score_owner<TPT, N>(g), TPT);
   }
   __device__ __forceinline__ void finish(float (&head_m)[G], float (&head_l)[G]) {
 #pragma unroll
@@ -348,8 +351,8 @@ struct OwnedSoftmax {
     }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      head_m[g] = __shfl_sync(kFullMask, m[g % kOwn], owner(g), TPT);
-      head_l[g] = __shfl_sync(kFullMask, l[g % kOwn], owner(g), TPT);
+      head_m[g] = __shfl_sync(kFullMask, m[g % kOwn], score_owner<TPT, N>(g), TPT);
+      head_l[g] = __shfl_sync(kFullMask, l[g % kOwn], score_owner<TPT, N>(g), TPT);
     }
   }
 };
@@ -753,7 +756,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   // G = 2, where they save 1% of the loop and take fp8 caches past 96 registers (occupancy 31.25% ->
   // 25%).
   constexpr bool kHalving = kFast && (G > 1 || kScoreMods), kInOwnOrder = kHalving && G > 2;
-  const int score_xor = kInOwnOrder ? first_owned_score<TPT, kRows * G>(sub) : 0;
+  const int first_owned = first_owned_score<TPT, kRows * G>(sub), score_xor = kInOwnOrder ? first_owned : 0;
   load_q<T, G, TPT, KC>(q, p, row, head0 + tile * G, gcount, d0, D, kFast ? cache_kscale : 1.f, score_xor % G);
   ScoreMod<G> mod;
   if constexpr (kScoreMods) mod.init(p, head0 + tile * G, rs.pos);
@@ -871,10 +874,9 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
         reduce_scatter_scores<TPT, N, kInOwnOrder>(v, sub);
         // The owner's scores: the modifiers, then -inf where the row is past the tile or the head past
         // gcount (once a score here, not once a score on every lane after the gather).
-        const int first = first_owned_score<TPT, N>(sub);
 #pragma unroll
         for (int j = 0; j < kOwnedScores<TPT, N>; ++j) {
-          const int i = (first + j) / G, g = (first + j) % G, r = tg_in_tile + (i0 + i) * gpt;
+          const int i = (first_owned + j) / G, g = (first_owned + j) % G, r = tg_in_tile + (i0 + i) * gpt;
           if constexpr (kScoreMods) {
             if (g < gcount) v[j] = mod.template apply_one<sizeof(T) == 2>(v[j], g, t0 + r);
           }
