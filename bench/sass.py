@@ -202,8 +202,8 @@ ATTENTION = ("decode", "prefill", "Decode", "Prefill", "flash_fwd")
 def path_of(family: str, args: list[str]) -> str:
     """decode_kernel's compiled KV loops (its kFast, kScoreMods template arguments, plan.h
     decode_fast_path): 'fast' (16-byte copies, one head size for keys and values, up to the lanes' 8 x TPT,
-    any block size, no soft-cap / ALiBi code), 'fast, score mods' (the same with them: caches of the
-    query's dtype) or 'general' (every case);
+    any block size, no soft-cap / ALiBi code), 'fast, score mods' (the same with them, any
+    cache) or 'general' (every case);
     prefill_tc_pipelined_kernel's two (kScoreMods, plan.h score_mods): 'plain' (the scores take one
     multiply) or 'score mods' (soft-cap / ALiBi), each with ', fp8' over an fp8 cache (staged tiles
     widened in shared memory); '' elsewhere."""

@@ -257,8 +257,8 @@ def test_the_owners_softmax_follows_a_rising_max(head_size, group, dtype, split)
 
 def test_the_fast_path_is_the_plain_loop():
     # plan.h decode_fast_path: decode_kernel<..., true, *> is compiled with 16-byte copies, so a call
-    # needing other copies must not take it; its soft-cap / ALiBi
-    # instances (<..., true, true>: the plan's score_mods) exist for caches of the query's dtype only.
+    # needing other copies must not take it; a soft-cap / ALiBi takes its instances with them
+    # (<..., true, true>: the plan's score_mods) over any cache (fp8 ones took the general loop before).
     case = make_case([5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16, seed=4)
     assert plan(case)["fast_path"] and not plan(case)["score_mods"]
     assert plan(case, partition_size=32, force_split=1)["fast_path"]  # split-KV: outside the loop
@@ -266,7 +266,8 @@ def test_the_fast_path_is_the_plain_loop():
         assert plan(case, **mods)["fast_path"] and plan(case, **mods)["score_mods"]
         fp8 = make_case([5, 40], num_heads=8, num_kv_heads=2, head_size=128, block_size=16, dtype=torch.bfloat16,
                         cache_dtype=torch.float8_e4m3fn, scale_kind="head", seed=5)
-        assert plan(fp8)["fast_path"] and not plan(fp8, **mods)["fast_path"]  # the general loop's soft-cap / ALiBi
+        assert plan(fp8)["fast_path"] and not plan(fp8)["score_mods"]
+        assert plan(fp8, **mods)["fast_path"] and plan(fp8, **mods)["score_mods"]
     assert not plan(odd_views(case))["fast_path"]
     for block_size in (1, 12, 64):  # any block size: the page by FastDivmod, outside the loop's copies
         assert plan(make_case([9], num_heads=4, num_kv_heads=1, head_size=64, block_size=block_size,
@@ -289,14 +290,17 @@ def test_the_fast_path_is_the_plain_loop():
 @pytest.mark.parametrize("cache_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("variant", ["none", "window_sinks_lse", "softcap", "alibi"])
 @pytest.mark.parametrize("split", [False, True])
-def test_both_loops_against_the_reference(variant, cache_dtype, split):
-    # The same shape through the fast loop (no modifier, or only those acting outside the loop; the
-    # soft-cap and ALiBi in its score-mods instance over a 16-bit cache) and the general one (soft-cap,
-    # ALiBi over fp8), one pass and split.
+@pytest.mark.parametrize("loop", ["fast", "general"])
+def test_both_loops_against_the_reference(variant, cache_dtype, split, loop):
+    # The same shape and modifiers through the fast loop (no modifier, or only those acting outside the
+    # loop; the soft-cap and ALiBi in its score-mods instance) and the general one (the caches viewed
+    # one element into wider rows: odd_views), one pass and split.
     num_heads = 8
     case = make_case([1, 30, 200], num_heads=num_heads, num_kv_heads=2, head_size=128, block_size=16,
                      dtype=torch.bfloat16, cache_dtype=cache_dtype, seed=len(variant) + split,
                      **(dict(scale_kind="head") if cache_dtype else {}))
+    if loop == "general":
+        case = odd_views(case)
     g = torch.Generator().manual_seed(7)
     kw = {"none": {}, "softcap": dict(softcap=15.0), "alibi": dict(alibi_slopes=torch.rand(num_heads, generator=g)),
           "window_sinks_lse": dict(window_left=50, sinks=torch.randn(num_heads, generator=g))}[variant]
@@ -304,7 +308,7 @@ def test_both_loops_against_the_reference(variant, cache_dtype, split):
     on_plan = {k: v for k, v in kw.items() if k in ("softcap", "alibi_slopes")}
     mods = variant in ("softcap", "alibi")
     pl = plan(case, **on_plan, **config)
-    assert (pl["fast_path"], pl["score_mods"]) == (not (mods and cache_dtype), mods and not cache_dtype)
+    assert (pl["fast_path"], pl["score_mods"]) == (loop == "fast", loop == "fast" and mods)
     want, want_lse = case.reference_decode_lse(**kw)
     out, lse = nan_like(case.query), torch.full(case.query.shape[:2], float("nan"))
     selftest.decode_attention_config(*case.decode_args(out), config_list(**config), **kw, lse=lse)

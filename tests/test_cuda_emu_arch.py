@@ -93,16 +93,19 @@ def test_batch_invariant_row_is_the_same_bits_alone_and_in_a_batch(arch):
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("cache_dtype", [None, E4M3, E5M2])
 @pytest.mark.parametrize("head_size,num_heads,num_kv_heads", [(64, 2, 2), (128, 8, 4), (256, 8, 2), (128, 16, 2)])
 @pytest.mark.parametrize("split", [False, True])
-def test_fast_loop_with_score_mods(arch, dtype, head_size, num_heads, num_kv_heads, split):
-    """decode_kernel<T, T, TPT, G, true, true> (plan.h score_mods): the soft-cap and ALiBi compiled into
+def test_fast_loop_with_score_mods(arch, dtype, cache_dtype, head_size, num_heads, num_kv_heads, split):
+    """decode_kernel<T, KV, TPT, G, true, true> (plan.h score_mods): the soft-cap and ALiBi compiled into
     the fast loop, at every head tile G (groups 1, 2, 4, 8) and lanes per token TPT (heads 64, 128,
-    256), one pass and split, with a sink and the lse, against the float64 reference."""
+    256), over a cache of the query's dtype or fp8 (per-head scales, K's moved onto q), one pass and
+    split, with a sink and the lse, against the float64 reference."""
     from tests.test_cuda_decode_plan import config_list, plan  # noqa: PLC0415
 
     case = make_case([1, 37, 300], num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                     block_size=16, dtype=dtype, seed=head_size + num_heads + split)
+                     block_size=16, dtype=dtype, cache_dtype=cache_dtype, scale_kind="head",
+                     seed=head_size + num_heads + split)
     variants = make_variants(num_heads, softcap=20.0, alibi=True, sinks=True)
     config = dict(force_split=1, partition_size=64) if split else dict(partition_size=-1)
     pl = plan(case, softcap=variants["softcap"], alibi_slopes=variants["alibi_slopes"], **config)

@@ -33,9 +33,9 @@
 //    decode_fast_path: 16-byte copies, keys and values of one head size up to the lanes' 8 x TPT, any
 //    block size) has none of the other cases' code in its KV loop: the copies unrolled at a constant
 //    pitch, fp8 scales moved onto q and the accumulators, exp2 by one ex2.approx (exp2_approx). The
-//    soft-cap and ALiBi are compiled into it only in its kScoreMods instances (caches of the query's
-//    dtype: Gemma 2's soft-cap, ALiBi models); the general loop (decode_kernel<..., false, true>) keeps
-//    every case. Everything else (windows, sinks, lse,
+//    soft-cap and ALiBi are compiled into it only in its kScoreMods instances (Gemma 2's soft-cap,
+//    ALiBi models, over any cache); the general loop (decode_kernel<..., false, true>) keeps every
+//    case. Everything else (windows, sinks, lse,
 //    split-KV) acts outside the loop and takes either kernel. The fast loop sums a step's dot
 //    products over the token group by recursive halving (reduce_scatter_scores: each lane ends with
 //    its share of the sums, the score modifiers, the row mask and the softmax's exponentials applied
@@ -1040,16 +1040,9 @@ inline void launch(const AttentionParams& p, const DecodePlan& pl, float* worksp
       };
       auto by_path = [&](auto tpt, auto g) {
         constexpr int TPT = decltype(tpt)::value, G = decltype(g)::value;
-        // The fast loop with the soft-cap / ALiBi is built for caches of the query's dtype only (plan.h
-        // decode_fast_path): its fp8 instances would add 54 kernels per arch to the build.
-        if (pl.fast_path && !pl.score_mods) run(decode_kernel<T, KV, TPT, G, true, false>);
-        else if constexpr (std::is_same_v<T, KV>) {
-          if (pl.fast_path) run(decode_kernel<T, KV, TPT, G, true, true>);
-          else run(decode_kernel<T, KV, TPT, G, false, true>);
-        } else {
-          if (pl.fast_path) throw std::runtime_error("paged_cuda: no fast decode loop with score modifiers for fp8");
-          run(decode_kernel<T, KV, TPT, G, false, true>);
-        }
+        if (!pl.fast_path) run(decode_kernel<T, KV, TPT, G, false, true>);
+        else if (pl.score_mods) run(decode_kernel<T, KV, TPT, G, true, true>);
+        else run(decode_kernel<T, KV, TPT, G, true, false>);
       };
       auto by_heads = [&](auto tpt) {
         switch (pl.heads_per_thread) {

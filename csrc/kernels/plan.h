@@ -151,10 +151,10 @@ inline int64_t partitions_for_span(int64_t span, int64_t part, bool windowed) {
 }
 
 // decode_kernel's fast path (its template flag kFast): every K / V row copied by 16-byte cp.async, any
-// block size (a token's page is found once per tile, by FastDivmod: locate_tile); a soft-cap or ALiBi only over a
-// cache of the query's dtype (their fast instances, kScoreMods, are built for those alone: the plan's
-// score_mods). Those are what the KV loop's instructions depend on; windows, sinks, lse, split-KV and
-// fp8 scales act outside it and take either path. Everything the choice
+// block size (a token's page is found once per tile, by FastDivmod: locate_tile), over any cache; a
+// soft-cap or ALiBi takes its kScoreMods instances (the plan's score_mods). Those are what the KV
+// loop's instructions depend on; windows, sinks, lse, split-KV and fp8 scales act outside it and take
+// either path. Everything the choice
 // reads is known to the host, so it is made once per call, and the loop nvcc compiles for the common
 // case holds none of the other cases' code (bench/sass.py reads it on its own).
 // Keys and values of one head size whose rows are whole 16-byte copies, up to the lanes' 8 x TPT
@@ -168,8 +168,7 @@ inline bool decode_fast_rows(const AttentionParams& p, int copy_bytes, int tpt) 
   return copy_bytes == 16 && p.value_head_size == p.head_size && p.head_size <= 8 * tpt;
 }
 inline bool decode_fast_path(const AttentionParams& p, const DecodeShape& sh, int threads, int tpt) {
-  const bool score_mods = p.softcap != 0.f || p.alibi_slopes != nullptr;
-  if ((score_mods && p.cache_dtype != p.dtype) || !decode_fast_rows(p, sh.copy_bytes, tpt)) return false;
+  if (!decode_fast_rows(p, sh.copy_bytes, tpt)) return false;
   const int lane_bytes = 8 * tpt * dtype_bytes(p.cache_dtype);  // the lanes' row: the loop's constant pitch
   if (sh.pitch != lane_bytes) return false;
   const int units = lane_bytes / 16;  // >= 4: lanes of 64+ elements
