@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_ops.testing import assert_close, bits, make_case
+from paged_ops.testing import assert_close, bits, make_case, make_variants
 from tests.test_cuda_prefill_variants import (CUDA_CORES, TARGETS, TC, VARIANTS, assert_lse_close, check,
                                               cuda_cores, reference_of, run)
 
@@ -217,8 +217,27 @@ def _ldmatrix_count(case, out, **variants) -> int:
     pipelined kernel (the general one builds its fragments by 32-bit loads)."""
     selftest = torch.ops.paged_cuda_emu_test
     selftest.ldmatrix_stats(True)
-    selftest.prefill_attention_config(*case.prefill_args(out), TC)
+    selftest.prefill_attention_config(*case.prefill_args(out), TC, **variants)
     return selftest.ldmatrix_stats(True)[0]
+
+
+@pytest.mark.skipif("emu" not in TARGETS, reason="which kernel ran: the emulator's ldmatrix count")
+@pytest.mark.parametrize("softcap,pipelined", [(0.5, True), (50.0, True), (64.0, True), (64.5, False), (1000.0, False),
+                                               (2.0 ** 126, False)])
+@pytest.mark.parametrize("dtype", [F16, BF16])
+def test_soft_caps_up_to_the_pipelined_kernels_bound(softcap, pipelined, dtype):
+    """plan.h kMaxSoftcapByExp: the pipelined kernel's soft-cap (common.cuh SoftCapByExp) errs by a few
+    ulp of the cap, absolutely, so it takes caps up to 64 and the general tensor-core kernel (tanhf) the
+    larger ones: at 2^126 the exponential form would round every score to 0. Scores spread over the
+    cap's range where it is a model's (queries scaled: the tails and the middle of tanh), with ALiBi,
+    against the float64 reference at the dtype's tolerance."""
+    case = case_of(128, 128, dtype=dtype, group=4, seed=int(softcap) % 97 + (dtype == BF16))
+    if softcap <= 1000:
+        case.query.mul_(max(1.0, softcap / 2))
+    variants = make_variants(8, softcap=softcap, alibi=True)
+    out = case.new_out()
+    assert (_ldmatrix_count(case, out, **variants) > 0) == pipelined
+    assert_close(out, case.reference_prefill(**variants), dtype, f"softcap {softcap}")
 
 
 @pytest.mark.skipif("emu" not in TARGETS, reason="which kernel ran: the emulator's ldmatrix count")

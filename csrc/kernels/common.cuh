@@ -551,6 +551,21 @@ __device__ __forceinline__ float tanh_fast(float x) {
   return fabsf(x) < 0.0625f ? series : by_exp;
 }
 
+// cap tanh(x) as cap - 2 cap / (1 + 2^(2 x log2 e)): one ex2.approx, one reciprocal (__fdividef)
+// and three other instructions a score where cap * tanh_fast takes twelve (the pipelined prefill's
+// soft-cap). Its error is absolute, not relative as tanh_fast's: a few ulp of 2 cap / (1 + E) from the
+// exponential and the division, at most cap 2^-20.7 over x (a sweep with both instructions 2 ulp off,
+// the emulator's model of them). With cap = softcap log2(e) that is a probability's relative error of
+// up to softcap 2^-20.7, so plan.h kMaxSoftcapByExp bounds the caps that take it (at a cap of 2^126
+// every score would round to 0). Exact at the tails (E = 0: -cap; E past 2^126 or infinite: cap), NaN stays NaN. exp_mul =
+// 2 log2(e) x / s carries the score's multiplier and 1 / softcap.
+struct SoftCapByExp {
+  float cap, exp_mul;
+  __device__ __forceinline__ float operator()(float s) const {
+    return cap - __fdividef(cap + cap, 1.f + exp2_approx(s * exp_mul));
+  }
+};
+
 constexpr unsigned kFullMask = 0xffffffffu;
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }

@@ -382,12 +382,18 @@ constexpr int tc_pipelined_kv_tile(int dk, int dv, int cache_bytes = 2) {
   return dv <= 128 && tc_pipelined_smem(dk, dv, 64, cache_bytes) <= kPrefillMaxSmem ? 64 : 32;
 }
 
+// The largest soft-cap the pipelined kernel takes: its cap (common.cuh SoftCapByExp) errs by up to
+// softcap 2^-20.7 of a probability, under a tenth of fp16's unit roundoff (2^-11) up to 64, a cap past
+// every model's (Gemma 2's 50, Grok's 30); a larger one takes the general tensor-core kernel (tanhf).
+constexpr float kMaxSoftcapByExp = 64.f;
+
 struct PrefillPlan {
   bool tensor_cores;  // prefill_tc_kernel (fp16/bf16 queries) or the CUDA-core prefill_kernel
   // Tensor cores on a cache of the query's dtype, or an fp8 one whose heads are multiples of 16,
   // whose rows all start 16-byte aligned, with query rows 16-byte aligned and out rows of aligned
-  // element pairs: prefill_tc_pipelined_kernel (Q, K, V by 16-byte cp.async; fp8 tiles widened to
-  // 16 bits in shared memory); other views and fp8 heads take prefill_tc_kernel.
+  // element pairs, and a soft-cap up to kMaxSoftcapByExp: prefill_tc_pipelined_kernel (Q, K, V by
+  // 16-byte cp.async; fp8 tiles widened to 16 bits in shared memory); other views, fp8 heads and caps
+  // take prefill_tc_kernel.
   bool pipelined;
   // The soft-cap or ALiBi is on: the pipelined kernel's kScoreMods instance (without them its
   // scores take one multiply).
@@ -439,7 +445,7 @@ inline PrefillPlan plan_prefill(const AttentionParams& p, const LaunchConfig& cf
               aligned_to(p.key_cache, 1, {p.k_stride_block, p.k_stride_token, p.k_stride_head}, 16) &&
               aligned_to(p.value_cache, 1, {p.v_stride_block, p.v_stride_token, p.v_stride_head}, 16);
     pl.pipelined = cache_fits && chunk_aligned(p.query, p.dtype, {p.q_stride_token, p.q_stride_head}) &&
-                   aligned_to(p.out, 2, {p.o_stride_token, p.o_stride_head}, 4);
+                   aligned_to(p.out, 2, {p.o_stride_token, p.o_stride_head}, 4) && p.softcap <= kMaxSoftcapByExp;
     if (pl.pipelined) {
       if (dk > 128 && dk <= 192 && dv <= 128) pl.head_tile = 192, pl.value_tile = 128;
       pl.rows = tc_pipelined_rows(pl.value_tile);
