@@ -557,8 +557,8 @@ __device__ __forceinline__ float tanh_fast(float x) {
 // exponential and the division, at most cap 2^-20.7 over x (a sweep with both instructions 2 ulp off,
 // the emulator's model of them). With cap = softcap log2(e) that is a probability's relative error of
 // up to softcap 2^-20.7, so plan.h kMaxSoftcapByExp bounds the caps that take it (at a cap of 2^126
-// every score would round to 0). Exact at the tails (E = 0: -cap; E past 2^126 or infinite: cap), NaN stays NaN. exp_mul =
-// 2 log2(e) x / s carries the score's multiplier and 1 / softcap.
+// every score would round to 0). Exact at the tails (E = 0: -cap; E past 2^126 or infinite: cap),
+// NaN stays NaN. exp_mul = 2 log2(e) x / s carries the score's multiplier and 1 / softcap.
 struct SoftCapByExp {
   float cap, exp_mul;
   __device__ __forceinline__ float operator()(float s) const {

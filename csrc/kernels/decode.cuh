@@ -179,10 +179,12 @@ struct ScoreMod {
     pos = position;
   }
   // s: the G heads' scores of key t. kFastTanh (the fast loop's 16-bit queries): common.cuh tanh_fast
-  // (ex2.approx and a division, a series near 0), as the pipelined prefill's score mods, rather than
-  // tanhf's polynomial and branches. (The exponential form alone is five instructions, but its
-  // absolute error of a few 1e-7 of the cap swamps every score at a cap of 2^126, which the contract
-  // allows: tests/test_cuda_contract_edges.py test_softcap_at_its_bounds.)
+  // (ex2.approx and a division, a series near 0) rather than tanhf's polynomial and branches. (The
+  // exponential form alone, common.cuh SoftCapByExp, is five instructions, but its absolute error of a
+  // few 1e-7 of the cap swamps every score at a cap of 2^126, which the contract allows:
+  // tests/test_cuda_contract_edges.py test_softcap_at_its_bounds. The pipelined prefill takes it for caps
+  // up to plan.h kMaxSoftcapByExp and leaves larger ones to another kernel; here a score's owner caps
+  // one or two scores a step, so one loop keeps every cap.)
   // One score, of head g (< gcount) and key t: apply's arithmetic for one head.
   template <bool kFastTanh>
   __device__ __forceinline__ float apply_one(float s, int g, int t) const {
