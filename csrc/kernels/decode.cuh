@@ -312,6 +312,11 @@ __device__ __forceinline__ void gather_scores(const float (&v)[N], float (&s)[N]
     s[n] = __shfl_sync(kFullMask, v[n % kOwn], score_owner<TPT, N>(n), TPT);
 }
 
+// The max a fast-path softmax step subtracts (OnlineSoftmax::update_softmax<kFast>, OwnedSoftmax): 0
+// while the head has seen nothing finite, so ex2.approx's ex2(-inf) = +0 makes its -inf scores and its
+// first rescale 0 with one test a head rather than one a score.
+__device__ __forceinline__ float fast_softmax_base(float mn) { return mn == -INFINITY ? 0.f : mn; }
+
 // The fast loop's online softmax by the scores' owners (after reduce_scatter_scores; update_softmax's
 // rules). Per owned score: its head's max over the step's rows (the owners of one head's rows differ in
 // the lane bits from kRowLanes = G x TPT / N up: two shuffles at G = 4 over 16 lanes), the running max m
@@ -336,7 +341,7 @@ struct OwnedSoftmax {
 #pragma unroll
       for (int o = kRowLanes; o < TPT; o *= 2) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
       const float mn = fmaxf(m[j], mx);
-      const float base = mn == -INFINITY ? 0.f : mn;  // ex2(-inf) = +0: update_softmax<kFast>
+      const float base = fast_softmax_base(mn);
       a[j] = exp2_approx(m[j] - base);
       v[j] = exp2_approx(v[j] - base);
       l[j] = l[j] * a[j] + v[j];
@@ -410,9 +415,8 @@ struct OnlineSoftmax {
   // tokens' probabilities. A NaN score gives NaN probabilities (and so a NaN row), as in the
   // reference; a -inf score (an infinite query or key, or no row) has probability 0, not
   // exp2(-inf - -inf) = NaN while the row has seen nothing finite yet.
-  // kFast (decode_kernel's fast path): the same by exp2_approx, whose ex2(-inf) = +0 does the -inf
-  // cases with one test a head rather than one a score: while the row has seen nothing finite the
-  // max is taken as 0, so -inf scores and the first rescale come out 0 (the accumulators are 0 then).
+  // kFast (decode_kernel's fast path): the same by exp2_approx, the -inf cases by fast_softmax_base
+  // (the first rescale comes out 0: the accumulators are 0 then).
   template <bool kFast = false, int R>
   __device__ __forceinline__ void update_softmax(float (&s)[R][G]) {
 #pragma unroll
@@ -422,7 +426,7 @@ struct OnlineSoftmax {
       for (int r = 0; r < R; ++r) mn = fmaxf(mn, s[r][g]);
       float a, sum = 0.f;
       if constexpr (kFast) {
-        const float base = mn == -INFINITY ? 0.f : mn;
+        const float base = fast_softmax_base(mn);
         a = exp2_approx(m[g] - base);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
@@ -439,10 +443,14 @@ struct OnlineSoftmax {
         }
       }
       l[g] = l[g] * a + sum;
-#pragma unroll
-      for (int i = 0; i < VC * 8; ++i) acc[g][i] *= a;
+      scale_acc(g, a);
       m[g] = mn;
     }
+  }
+  // acc[g] *= a: a rescale to a new max, or the fp8 V scale the fast path applies at the end.
+  __device__ __forceinline__ void scale_acc(int g, float a) {
+#pragma unroll
+    for (int i = 0; i < VC * 8; ++i) acc[g][i] *= a;
   }
   // acc += p * v for the token's probabilities p (update_softmax's output) and chunk c of its value
   // row, v.
@@ -888,10 +896,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
         float rescale[G];
         owned.update(v, rescale);
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-#pragma unroll
-          for (int e = 0; e < VC * 8; ++e) st.acc[g][e] *= rescale[g];
-        }
+        for (int g = 0; g < G; ++g) st.scale_acc(g, rescale[g]);
         float all[N];
         gather_scores<TPT, N>(v, all);
 #pragma unroll
@@ -950,10 +955,7 @@ __device__ __forceinline__ void decode_block(const AttentionParams& p, const Dec
   if constexpr (kHalving) owned.finish(st.m, st.l);
   if constexpr (kFast && sizeof(KV) == 1) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-#pragma unroll
-      for (int i = 0; i < VC * 8; ++i) st.acc[g][i] *= cache_vscale;
-    }
+    for (int g = 0; g < G; ++g) st.scale_acc(g, cache_vscale);
   }
 
   merge_and_store<T, G, TPT, VC>(p, st, reinterpret_cast<float*>(smem), ntg, gpt, G, tg, gcount, sub == 0, d0, head0,
